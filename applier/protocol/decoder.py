@@ -10,10 +10,17 @@ Every read is bounds-checked explicitly, so malformed input raises ``DecodeError
 message, the offset and the fault; nothing else (IndexError, struct.error, UnicodeDecodeError)
 may escape. Inserts, updates and deletes are the hot path and are written out inline; the rarer
 messages go through the slower, simpler ``_Reader``.
+
+The hot path has an optional C accelerator (``_speedups``, built by ``pip install``) that builds
+the very same objects; ``decode`` uses it when it is importable. The pure-Python functions here
+stay the reference: the accelerator hands every malformed message back to them, so errors are
+theirs, and ``decode_pure`` always runs them alone. Set ``APPLIER_PURE_PYTHON=1`` in the
+environment to keep ``decode`` off the accelerator (to rule it out when chasing a bug).
 """
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Callable
 from typing import Final
@@ -27,7 +34,7 @@ from .messages import (
     Type, Update,
 )
 
-__all__ = ["decode", "MESSAGE_NAMES"]
+__all__ = ["decode", "decode_pure", "ACCELERATED", "MESSAGE_NAMES"]
 
 _u32 = struct.Struct(">I").unpack_from
 _i32 = struct.Struct(">i").unpack_from
@@ -59,12 +66,25 @@ def decode(data: bytes | bytearray | memoryview, in_stream: bool = False) -> Rep
     byte, a bad tuple kind, a length past the end, or trailing bytes.
     """
     buf = data if type(data) is bytes else bytes(data)
-    if not buf:
-        raise DecodeError("unknown", 0, "empty message")
-    handler = _HANDLERS.get(buf[0])
+    handler = _HANDLERS.get(buf[0]) if buf else None
     if handler is None:
-        raise DecodeError(repr(chr(buf[0])), 0, f"unknown message type byte 0x{buf[0]:02x}")
+        raise _unknown(buf)
     return handler(buf, in_stream)
+
+
+def decode_pure(data: bytes | bytearray | memoryview, in_stream: bool = False) -> ReplicationMessage:
+    """``decode`` without the C accelerator: the reference the accelerator is tested against."""
+    buf = data if type(data) is bytes else bytes(data)
+    handler = _PURE_HANDLERS.get(buf[0]) if buf else None
+    if handler is None:
+        raise _unknown(buf)
+    return handler(buf, in_stream)
+
+
+def _unknown(buf: bytes) -> DecodeError:
+    if not buf:
+        return DecodeError("unknown", 0, "empty message")
+    return DecodeError(repr(chr(buf[0])), 0, f"unknown message type byte 0x{buf[0]:02x}")
 
 
 def _short(name: str, pos: int, need: int, buf: bytes, what: str) -> DecodeError:
@@ -368,7 +388,7 @@ def _rollback_prepared(buf: bytes, in_stream: bool) -> RollbackPrepared:
     return msg
 
 
-_HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = {
+_PURE_HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = {
     ord("I"): _insert, ord("U"): _update, ord("D"): _delete,
     ord("B"): _begin, ord("C"): _commit, ord("O"): _origin, ord("R"): _relation,
     ord("Y"): _type, ord("T"): _truncate, ord("M"): _message, ord("S"): _stream_start,
@@ -377,3 +397,23 @@ _HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = {
     ord("K"): _commit_prepared, ord("r"): _rollback_prepared,
     ord("p"): _prepare_like(StreamPrepare, "stream_prepare"),
 }
+
+
+def _accelerated_handlers() -> dict[int, Callable[[bytes, bool], ReplicationMessage]] | None:
+    """The handler table with I/U/D in C, or None when the accelerator is absent or disabled."""
+    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
+        return None
+    try:
+        from . import _speedups  # type: ignore[attr-defined]  # built only where a compiler was
+    except ImportError:
+        return None
+    # The C side gets the classes and the pure decoders rather than importing them itself, so it
+    # cannot drift from messages.py; on malformed input it calls the fallbacks for the error.
+    _speedups.init(TupleData, Insert, Update, Delete, UNCHANGED_TOAST, _insert, _update, _delete)
+    return {**_PURE_HANDLERS, ord("I"): _speedups.decode_insert,
+            ord("U"): _speedups.decode_update, ord("D"): _speedups.decode_delete}
+
+
+_HANDLERS: Final = _accelerated_handlers() or _PURE_HANDLERS
+#: Whether ``decode`` runs Insert/Update/Delete through the C accelerator.
+ACCELERATED: Final[bool] = _HANDLERS is not _PURE_HANDLERS

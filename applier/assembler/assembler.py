@@ -1,0 +1,318 @@
+"""Transaction assembler: decoded messages in, whole source transactions out to a sink.
+
+Owns the transaction structure of the replication stream: which messages may follow which,
+passing plain transactions straight through, and buffering streamed (in-progress) transactions
+per top-level xid until their Stream Commit or Stream Prepare, with subtransaction aborts and a
+memory budget enforced by spilling to local files (PostgreSQL's apply worker in serialize mode,
+worker.c, is the behavioural model). Must never apply anything, touch a database or the
+network, or keep message objects of a streamed transaction in memory (only their raw bytes).
+
+If the sink raises, the assembler's state for the transaction being delivered is gone: the caller
+must ``close()`` and restart replication from the server, which resends the transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from applier.protocol import (
+    LSN, Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message, Origin, Prepare,
+    Relation, ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare,
+    StreamStart, StreamStop, Truncate, Type, Update, decode,
+)
+
+from .buffer import SPILL_GLOB, StreamBuffer, record_cost, spill_path
+from .errors import ProtocolSequenceError
+from .sink import TransactionEnd, TransactionSink, TransactionStart
+
+__all__ = ["Assembler"]
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainTransaction:
+    """The non-streamed transaction being passed through (between Begin/BeginPrepare and its end)."""
+
+    xid: int
+    lsn: LSN  # Begin.final_lsn or BeginPrepare.prepare_lsn: the end message must repeat it
+    two_phase: bool
+
+
+class Assembler:
+    """Feed every decoded message with ``feed(msg, raw)``; the sink receives transactions."""
+
+    def __init__(self, sink: TransactionSink, *, memory_budget: int, spill_dir: Path) -> None:
+        if memory_budget <= 0:
+            raise ValueError(f"memory_budget must be positive, got {memory_budget}")
+        self._sink = sink
+        self._budget = memory_budget
+        self._spill_dir = spill_dir
+        spill_dir.mkdir(parents=True, exist_ok=True)
+        # Spill files of an earlier run are worthless: the server restreams those transactions
+        # from their first segment because their commit was never confirmed.
+        for stale in spill_dir.glob(SPILL_GLOB):
+            stale.unlink(missing_ok=True)
+        self._plain: _PlainTransaction | None = None
+        self._block: StreamBuffer | None = None  # the xid between Stream Start and Stream Stop
+        self._streams: dict[int, StreamBuffer] = {}  # every open streamed xid, in start order
+        self._memory_bytes = 0
+        self._handlers: dict[type, Callable[[Any, bytes], None]] = {
+            Insert: self._change, Update: self._change, Delete: self._change,
+            Truncate: self._change, Message: self._message, Relation: self._relation,
+            Type: self._type, Origin: self._origin, Begin: self._begin,
+            Commit: self._commit, BeginPrepare: self._begin_prepare, Prepare: self._prepare,
+            StreamStart: self._stream_start, StreamStop: self._stream_stop,
+            StreamCommit: self._stream_commit, StreamAbort: self._stream_abort,
+            StreamPrepare: self._stream_prepare, CommitPrepared: self._commit_prepared,
+            RollbackPrepared: self._rollback_prepared,
+        }
+
+    @property
+    def in_stream(self) -> bool:
+        """True between Stream Start and Stream Stop: pass it to ``decode(..., in_stream=)``."""
+        return self._block is not None
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes charged against the budget by all open streamed transactions."""
+        return self._memory_bytes
+
+    @property
+    def spilled_bytes(self) -> int:
+        """Total size of the spill files of all open streamed transactions."""
+        return sum(buffer.file_bytes for buffer in self._streams.values())
+
+    @property
+    def open_streamed_xids(self) -> tuple[int, ...]:
+        """Streamed transactions started and not yet committed, prepared or aborted."""
+        return tuple(self._streams)
+
+    def feed(self, msg: ReplicationMessage, raw: bytes) -> None:
+        """Process one message; ``raw`` is exactly the bytes ``msg`` was decoded from."""
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise TypeError(f"not a replication message: {type(msg).__name__}")
+        handler(msg, raw)
+
+    def close(self) -> None:
+        """Drop every buffered transaction and remove all spill files."""
+        for buffer in self._streams.values():
+            buffer.remove()
+        self._streams.clear()
+        self._block = None
+        self._plain = None
+        self._memory_bytes = 0
+
+    # -- changes and schema ------------------------------------------------------------------
+
+    def _change(self, msg: Insert | Update | Delete | Truncate | Message, raw: bytes) -> None:
+        if self._block is not None:
+            self._buffer(msg.xid, raw, msg.type_name)
+        elif self._plain is not None:
+            self._sink.change(msg)
+        else:
+            raise ProtocolSequenceError(f"{msg.type_name} outside any transaction or stream block")
+
+    def _message(self, msg: Message, raw: bytes) -> None:
+        # The server sends non-transactional messages at once, even from a transaction that
+        # later aborts, so they are never buffered.
+        if msg.transactional:
+            self._change(msg, raw)
+        else:
+            self._sink.message(msg)
+
+    def _relation(self, msg: Relation, raw: bytes) -> None:
+        if self._block is not None:
+            self._buffer(msg.xid, raw, "relation")
+        else:
+            self._sink.relation(msg)
+
+    def _type(self, msg: Type, raw: bytes) -> None:
+        if self._block is not None:
+            self._buffer(msg.xid, raw, "type")
+        else:
+            self._sink.type(msg)
+
+    def _origin(self, msg: Origin, raw: bytes) -> None:
+        if self._block is not None:
+            # Origin carries no xid; it belongs to the top-level transaction of the block.
+            self._buffer(self._block.xid, raw, "origin")
+        elif self._plain is not None:
+            self._sink.origin(msg)
+        else:
+            raise ProtocolSequenceError(
+                f"origin {msg.name!r} at LSN {msg.origin_lsn} outside any transaction or stream block")
+
+    def _buffer(self, subxid: int | None, raw: bytes, what: str) -> None:
+        block = self._block
+        assert block is not None
+        if not subxid:
+            # PostgreSQL rejects xid 0 too (worker.c: handle_streamed_transaction); None means
+            # the caller decoded without in_stream=True.
+            raise ProtocolSequenceError(
+                f"{what} inside the stream block of xid {block.xid} has no valid transaction id "
+                f"({subxid!r}); messages in a stream block must be decoded with in_stream=True")
+        if type(raw) is not bytes:
+            raw = bytes(raw)  # never pin a larger receive buffer through a view
+        cost = record_cost(raw)
+        if self._memory_bytes + cost > self._budget:
+            self._make_room(cost)
+        if self._memory_bytes + cost > self._budget:
+            # One change larger than the whole budget: it goes straight to disk.
+            self._memory_bytes -= block.append_to_file(subxid, raw)
+        else:
+            block.append(subxid, raw)
+            self._memory_bytes += cost
+
+    def _make_room(self, cost: int) -> None:
+        """Spill the largest in-memory buffers until ``cost`` more bytes fit the budget (or
+        nothing is left in memory)."""
+        while self._memory_bytes + cost > self._budget:
+            largest = max(self._streams.values(), key=lambda buffer: buffer.memory_bytes)
+            if not largest.memory_bytes:
+                return
+            self._memory_bytes -= largest.spill()
+
+    # -- plain transactions ------------------------------------------------------------------
+
+    def _begin(self, msg: Begin, raw: bytes) -> None:
+        self._require_idle(f"begin of xid {msg.xid} (final LSN {msg.final_lsn})")
+        self._plain = _PlainTransaction(msg.xid, msg.final_lsn, two_phase=False)
+        self._sink.begin(TransactionStart(msg.xid, msg.final_lsn, msg.commit_time, streamed=False,
+                                          gid=None, end_lsn=None))
+
+    def _begin_prepare(self, msg: BeginPrepare, raw: bytes) -> None:
+        self._require_idle(f"begin_prepare of xid {msg.xid} (prepare LSN {msg.prepare_lsn})")
+        self._plain = _PlainTransaction(msg.xid, msg.prepare_lsn, two_phase=True)
+        self._sink.begin(TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time,
+                                          streamed=False, gid=msg.gid, end_lsn=msg.end_lsn))
+
+    def _commit(self, msg: Commit, raw: bytes) -> None:
+        plain = self._plain
+        where = f"commit at commit LSN {msg.commit_lsn}"
+        if plain is None or plain.two_phase:
+            raise ProtocolSequenceError(f"{where} without begin" + (
+                f" (xid {plain.xid} began with begin_prepare)" if plain is not None else ""))
+        if msg.commit_lsn != plain.lsn:
+            raise ProtocolSequenceError(
+                f"{where} does not match the final LSN {plain.lsn} of its begin (xid {plain.xid})")
+        self._plain = None
+        self._sink.commit(TransactionEnd(plain.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
+                                         streamed=False, gid=None))
+
+    def _prepare(self, msg: Prepare, raw: bytes) -> None:
+        plain = self._plain
+        where = f"prepare of xid {msg.xid} at prepare LSN {msg.prepare_lsn}"
+        if plain is None or not plain.two_phase:
+            raise ProtocolSequenceError(f"{where} without begin_prepare" + (
+                f" (xid {plain.xid} began with begin)" if plain is not None else ""))
+        if msg.xid != plain.xid or msg.prepare_lsn != plain.lsn:
+            raise ProtocolSequenceError(
+                f"{where} does not match its begin_prepare (xid {plain.xid}, LSN {plain.lsn})")
+        self._plain = None
+        self._sink.prepare(TransactionEnd(msg.xid, msg.prepare_lsn, msg.end_lsn, msg.prepare_time,
+                                          streamed=False, gid=msg.gid))
+
+    def _commit_prepared(self, msg: CommitPrepared, raw: bytes) -> None:
+        self._require_idle(f"commit_prepared of xid {msg.xid} at commit LSN {msg.commit_lsn}")
+        self._sink.commit_prepared(msg)
+
+    def _rollback_prepared(self, msg: RollbackPrepared, raw: bytes) -> None:
+        self._require_idle(
+            f"rollback_prepared of xid {msg.xid} at end LSN {msg.rollback_end_lsn}")
+        self._sink.rollback_prepared(msg)
+
+    # -- streamed transactions ---------------------------------------------------------------
+
+    def _stream_start(self, msg: StreamStart, raw: bytes) -> None:
+        self._require_idle(f"stream_start of xid {msg.xid}")
+        buffer = self._streams.get(msg.xid)
+        if msg.first_segment:
+            if buffer is not None:
+                raise ProtocolSequenceError(
+                    f"stream_start (first segment) of xid {msg.xid}, which is already open")
+            buffer = StreamBuffer(msg.xid, spill_path(self._spill_dir, msg.xid))
+            self._streams[msg.xid] = buffer
+        elif buffer is None:
+            raise ProtocolSequenceError(
+                f"stream_start (later segment) of xid {msg.xid}, whose first segment never came")
+        self._block = buffer
+
+    def _stream_stop(self, msg: StreamStop, raw: bytes) -> None:
+        if self._block is None:
+            raise ProtocolSequenceError("stream_stop without stream_start")
+        self._block = None
+
+    def _stream_abort(self, msg: StreamAbort, raw: bytes) -> None:
+        self._require_idle(f"stream_abort of xid {msg.xid} (subxid {msg.subxid})")
+        buffer = self._streams.get(msg.xid)
+        if buffer is None:
+            return  # the server may abort transactions it never streamed a change of
+        if msg.subxid == msg.xid:
+            self._drop(buffer)
+        else:
+            self._memory_bytes -= buffer.abort_subxact(msg.subxid)
+
+    def _stream_commit(self, msg: StreamCommit, raw: bytes) -> None:
+        buffer = self._streamed_end(msg.xid, f"stream_commit of xid {msg.xid} at commit LSN "
+                                             f"{msg.commit_lsn}")
+        self._replay(buffer,
+                     TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time, streamed=True,
+                                      gid=None, end_lsn=msg.end_lsn),
+                     TransactionEnd(msg.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
+                                    streamed=True, gid=None),
+                     self._sink.commit)
+
+    def _stream_prepare(self, msg: StreamPrepare, raw: bytes) -> None:
+        buffer = self._streamed_end(msg.xid, f"stream_prepare of xid {msg.xid} at prepare LSN "
+                                             f"{msg.prepare_lsn}")
+        self._replay(buffer,
+                     TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time, streamed=True,
+                                      gid=msg.gid, end_lsn=msg.end_lsn),
+                     TransactionEnd(msg.xid, msg.prepare_lsn, msg.end_lsn, msg.prepare_time,
+                                    streamed=True, gid=msg.gid),
+                     self._sink.prepare)
+
+    def _streamed_end(self, xid: int, what: str) -> StreamBuffer:
+        self._require_idle(what)
+        buffer = self._streams.get(xid)
+        if buffer is None:
+            raise ProtocolSequenceError(f"{what}, but no stream_start was seen for that xid")
+        return buffer
+
+    def _replay(self, buffer: StreamBuffer, start: TransactionStart, end: TransactionEnd,
+                finish: Callable[[TransactionEnd], None]) -> None:
+        """Deliver a streamed transaction, decoding its changes one at a time from the buffer."""
+        sink = self._sink
+        try:
+            sink.begin(start)
+            for raw in buffer.replay():
+                msg = decode(raw, in_stream=True)
+                kind = type(msg)
+                if kind is Relation:
+                    sink.relation(msg)  # type: ignore[arg-type]
+                elif kind is Type:
+                    sink.type(msg)  # type: ignore[arg-type]
+                elif kind is Origin:
+                    sink.origin(msg)  # type: ignore[arg-type]
+                else:
+                    sink.change(msg)  # type: ignore[arg-type]
+            finish(end)
+        finally:
+            self._drop(buffer)
+
+    def _drop(self, buffer: StreamBuffer) -> None:
+        self._memory_bytes -= buffer.memory_bytes
+        buffer.remove()
+        del self._streams[buffer.xid]
+
+    def _require_idle(self, what: str) -> None:
+        """Raise unless we are between transactions and outside any stream block."""
+        if self._block is not None:
+            raise ProtocolSequenceError(
+                f"{what} inside the stream block of xid {self._block.xid} (no stream_stop yet)")
+        if self._plain is not None:
+            raise ProtocolSequenceError(
+                f"{what} inside transaction xid {self._plain.xid} (LSN {self._plain.lsn})")

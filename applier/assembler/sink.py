@@ -1,0 +1,86 @@
+"""What the assembler hands to the apply stage: the sink protocol and the transaction envelopes.
+
+Owns the contract between transaction assembly and apply. Pure declarations: no behaviour, no
+I/O. The apply stage implements ``TransactionSink``; the assembler calls it strictly in stream
+order, one whole source transaction at a time (begin ... commit/prepare, never interleaved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, TypeAlias, Union
+
+from applier.protocol import (
+    LSN, CommitPrepared, Delete, Insert, Message, Origin, Relation, RollbackPrepared, Truncate,
+    Type, Update,
+)
+
+__all__ = ["TransactionSink", "TransactionStart", "TransactionEnd", "Change"]
+
+#: A transactional change as delivered between ``begin`` and ``commit``/``prepare``.
+Change: TypeAlias = Union[Insert, Update, Delete, Truncate, Message]
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionStart:
+    """A source transaction starts being delivered.
+
+    ``commit_lsn`` is Begin.final_lsn, BeginPrepare.prepare_lsn, StreamCommit.commit_lsn or
+    StreamPrepare.prepare_lsn. ``end_lsn`` is known up front for BeginPrepare and for streamed
+    transactions (which are only delivered once their end arrived); it is None for a plain Begin.
+    ``gid`` is set for two-phase transactions only.
+    """
+
+    xid: int
+    commit_lsn: LSN
+    commit_time: datetime
+    streamed: bool
+    gid: str | None
+    end_lsn: LSN | None
+
+
+@dataclass(frozen=True, slots=True)
+class TransactionEnd:
+    """The end of a delivered transaction: Commit, Prepare, Stream Commit or Stream Prepare."""
+
+    xid: int
+    commit_lsn: LSN
+    end_lsn: LSN
+    commit_time: datetime
+    streamed: bool
+    gid: str | None
+
+
+class TransactionSink(Protocol):
+    """Receiver of assembled transactions; implemented by the apply stage."""
+
+    def relation(self, msg: Relation) -> None:
+        """Schema of a relation, in stream order (inside or outside a transaction)."""
+
+    def type(self, msg: Type) -> None:
+        """A data type's name, in stream order (inside or outside a transaction)."""
+
+    def begin(self, txn: TransactionStart) -> None:
+        """A source transaction starts being delivered."""
+
+    def origin(self, msg: Origin) -> None:
+        """Replication origin of the current transaction."""
+
+    def change(self, msg: Change) -> None:
+        """One transactional change of the current transaction, in order."""
+
+    def commit(self, txn: TransactionEnd) -> None:
+        """The current transaction commits (Commit or Stream Commit)."""
+
+    def prepare(self, txn: TransactionEnd) -> None:
+        """The current transaction is prepared (Prepare or Stream Prepare); ends it like commit."""
+
+    def commit_prepared(self, msg: CommitPrepared) -> None:
+        """A previously prepared transaction commits (always outside any transaction)."""
+
+    def rollback_prepared(self, msg: RollbackPrepared) -> None:
+        """A previously prepared transaction rolls back (always outside any transaction)."""
+
+    def message(self, msg: Message) -> None:
+        """A non-transactional logical message, delivered as soon as it arrives."""

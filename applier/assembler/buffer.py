@@ -110,6 +110,9 @@ class StreamBuffer:
         anything, and its abort is decoded before any later change of its parent, so everything
         from its first change onward belongs to it or to subtransactions that must go with it
         (PostgreSQL: stream_abort_internal). A subxid with no changes was never recorded: no-op.
+        Relation and Type records in the cut range go too, exactly as in PostgreSQL; the server
+        may not resend them later in the same top-level transaction, so the apply stage keeps its
+        relation cache across transactions rather than relying on one per transaction.
         Returns the memory freed.
         """
         position = self._subxact_index.get(subxid)

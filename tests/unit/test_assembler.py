@@ -354,3 +354,17 @@ def test_stream_change_decoded_without_in_stream_is_rejected(sink: RecordingSink
     raw = insert(1, b"x")  # no xid: the caller lost track of in_stream
     with pytest.raises(ProtocolSequenceError, match="in_stream=True"):
         asm.feed(decode(raw, in_stream=False), raw)
+
+
+def test_sink_failure_during_replay_still_removes_the_spill_file(spill_dir: Path) -> None:
+    class FailingSink(RecordingSink):
+        def change(self, msg: object) -> None:
+            raise RuntimeError("apply failed")
+
+    asm = Assembler(FailingSink(), memory_budget=256, spill_dir=spill_dir)
+    feed(asm, stream_start(5, True), *(insert(1, b"x" * 40, xid=5) for _ in range(10)),
+         stream_stop())
+    assert spill_files(spill_dir)
+    with pytest.raises(RuntimeError, match="apply failed"):
+        feed(asm, stream_commit(5, 1, 2))
+    assert spill_files(spill_dir) == [] and asm.open_streamed_xids == () and asm.memory_bytes == 0

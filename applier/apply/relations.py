@@ -1,0 +1,115 @@
+"""Target table reflection and source-to-target column mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, text
+
+from ..protocol.messages import Relation
+
+__all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MissingTargetTable",
+           "MissingTargetColumn", "reflect_table", "map_relation", "quote_ident", "qualified_name"]
+
+
+class MissingTargetTable(LookupError):
+    pass
+
+
+class MissingTargetColumn(LookupError):
+    pass
+
+
+def quote_ident(name: str) -> str:
+    """Always quote: mixed case, spaces, quotes and SQL keywords all survive."""
+    return '"' + name.replace('"', '""') + '"'
+
+
+def qualified_name(schema: str, name: str) -> str:
+    return f"{quote_ident(schema)}.{quote_ident(name)}"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetColumn:
+    name: str
+    type_sql: str          # format_type(): the cast every incoming value goes through
+    generated: bool
+    has_equality: bool     # an '=' operator for exactly this type; else rows are matched as text
+
+
+@dataclass(frozen=True, slots=True)
+class TargetTable:
+    schema: str
+    name: str
+    columns: dict[str, TargetColumn]
+    unique_key: tuple[str, ...]   # primary key, else the replica identity index; () when none
+    partitioned: bool
+
+    @property
+    def sql_name(self) -> str:
+        return qualified_name(self.schema, self.name)
+
+
+_TABLE_SQL = text("""
+    SELECT c.oid, c.relkind = 'p'
+    FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
+    WHERE n.nspname = :schema AND c.relname = :name AND c.relkind IN ('r', 'p')
+""")
+_COLUMNS_SQL = text("""
+    SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
+           EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
+                   AND o.oprleft = a.atttypid AND o.oprright = a.atttypid)
+    FROM pg_catalog.pg_attribute a
+    WHERE a.attrelid = :oid AND a.attnum > 0 AND NOT a.attisdropped
+    ORDER BY a.attnum
+""")
+_KEY_SQL = text("""
+    SELECT ARRAY(SELECT a.attname FROM unnest(i.indkey) WITH ORDINALITY k(attnum, ord)
+                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+                 ORDER BY k.ord)
+    FROM pg_catalog.pg_index i
+    WHERE i.indrelid = :oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+          AND 0 <> ALL (i.indkey)
+    ORDER BY i.indisprimary DESC, i.indisreplident DESC, i.indexrelid
+    LIMIT 1
+""")
+
+
+def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
+    """Read a target table's columns and unique key (SQLAlchemy connection, catalog queries)."""
+    found = conn.execute(_TABLE_SQL, {"schema": schema, "name": name}).first()
+    if found is None:
+        raise MissingTargetTable(
+            f"target table {qualified_name(schema, name)} does not exist; create it on the target "
+            "(same schema-qualified name) and restart")
+    oid, partitioned = found
+    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]))
+               for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
+    key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
+    return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned))
+
+
+@dataclass(frozen=True, slots=True)
+class RelationMapping:
+    """A source Relation bound to its target table: column i of the source tuple -> target column."""
+
+    relation: Relation
+    table: TargetTable
+    target_columns: tuple[TargetColumn, ...]   # parallel to relation.columns
+    key_positions: tuple[int, ...]             # source positions of the replica identity columns
+    full_identity: bool                        # REPLICA IDENTITY FULL: match the old row on all columns
+
+
+def map_relation(relation: Relation, table: TargetTable) -> RelationMapping:
+    mapped = []
+    for column in relation.columns:
+        target = table.columns.get(column.name)
+        if target is None or target.generated:
+            what = "has no column" if target is None else "has only a generated column"
+            raise MissingTargetColumn(
+                f"target table {table.sql_name} {what} {quote_ident(column.name)} that the source "
+                f"relation {qualified_name(relation.namespace, relation.name)} replicates; add the "
+                "column on the target and restart")
+        mapped.append(target)
+    keys = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
+    return RelationMapping(relation, table, tuple(mapped), keys, relation.replica_identity == "f")

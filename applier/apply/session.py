@@ -1,0 +1,84 @@
+"""The target session: one libpq connection driven at the protocol level for the hot path.
+
+Values arrive as bytes and leave as bytes: statements are prepared once and executed with the
+raw parameter values and their formats (text 0 / binary 1), so psycopg's Python-level adaptation
+never touches a row. The session runs like PostgreSQL's own apply worker: replica role (replica
+triggers fire, FK checks are skipped) and an empty search_path, so no user function or operator
+can hijack a statement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import psycopg
+from psycopg import pq
+
+from .statements import Statement
+
+__all__ = ["TargetSession", "TargetError"]
+
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+_CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exceptions, operator intervention
+
+
+class TargetError(Exception):
+    """A target-side failure; ``transient`` when a reconnect and retry can succeed."""
+
+    def __init__(self, message: str, *, sqlstate: str | None, transient: bool) -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
+        self.transient = transient
+
+
+class TargetSession:
+    def __init__(self, dsn: str, application_name: str) -> None:
+        try:
+            self.conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
+        except psycopg.OperationalError as exc:
+            raise TargetError(f"target: cannot connect: {str(exc).strip()}", sqlstate=exc.sqlstate,
+                              transient=True) from exc
+        self.pgconn = self.conn.pgconn
+        self._prepared: set[bytes] = set()
+        for setting in ("SET session_replication_role = replica",
+                        "SELECT pg_catalog.set_config('search_path', '', false)",
+                        "SET datestyle = ISO", "SET intervalstyle = postgres"):
+            self.sql(setting)
+        self.server_encoding = self.conn.info.parameter_status("server_encoding") or "UTF8"
+        self.backend_pid = self.pgconn.backend_pid
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def _check(self, result: pq.abc.PGresult | None, what: str) -> pq.abc.PGresult:
+        if result is not None and result.status in _OK:
+            return result
+        if result is None or self.pgconn.status != pq.ConnStatus.OK:
+            message = self.pgconn.get_error_message() if hasattr(self.pgconn, "get_error_message") \
+                else self.pgconn.error_message.decode(errors="replace")
+            raise TargetError(f"target: connection lost during {what}: {message.strip()}",
+                              sqlstate=None, transient=True)
+        raw_state = result.error_field(pq.DiagnosticField.SQLSTATE)
+        sqlstate = raw_state.decode() if raw_state else None
+        message = result.error_message.decode(errors="replace").strip()
+        transient = bool(sqlstate) and sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES
+        raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, transient=transient)
+
+    def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
+        """Run one statement with text parameters (bookkeeping, transaction control)."""
+        result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
+        return self._check(result, sql.split(None, 1)[0])
+
+    def run(self, statement: Statement, values: Sequence[bytes | None],
+            formats: Sequence[int]) -> pq.abc.PGresult:
+        """Execute a cached statement, preparing it on first use in this session."""
+        if statement.name not in self._prepared:
+            self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),
+                        f"preparing {statement.sql}")
+            self._prepared.add(statement.name)
+        return self._check(self.pgconn.exec_prepared(statement.name, values, formats),
+                           statement.sql)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.pgconn.transaction_status != pq.TransactionStatus.IDLE

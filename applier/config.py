@@ -1,0 +1,236 @@
+"""Settings: one validated object from a config file, the environment and the command line.
+
+Owns the option table (name, type, default, help) that the CLI, the ``APPLIER_*`` environment
+variables, the TOML config file and the generated configuration reference are all built from,
+and the rule that the command line beats the environment, which beats the file. Also owns
+masking secrets for logs. Must never open a connection or decide anything about replication.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "Option", "OPTIONS", "Settings", "parse_size", "mask_dsn", "load_settings"]
+
+
+class ConfigError(ValueError):
+    """A bad option value, file or combination; the message says which and how to fix it."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """``'64MB'``, ``'512kB'``, ``'1GiB'`` or a plain byte count -> bytes (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB")
+    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"invalid boolean {text!r}: use true or false")
+
+
+def _parse_list(text: str | Sequence[str]) -> list[str]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    return [item.strip() for item in items if item.strip()]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting, as every front end sees it."""
+
+    name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
+    help: str
+    kind: str = "str"              # str | int | bool | size | list | choice | path
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    commands: tuple[str, ...] = ("run", "sync")
+    secret: bool = False           # DSNs: passwords are masked wherever the value is shown
+    repeatable: bool = False       # list options given several times on the command line
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "APPLIER_" + self.name.upper()
+
+    def convert(self, raw: Any) -> Any:
+        if raw is None:
+            return None
+        converters: dict[str, Callable[[Any], Any]] = {
+            "str": str, "int": int, "bool": _parse_bool, "size": parse_size,
+            "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": str,
+        }
+        try:
+            value = converters[self.kind](raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.name}: {exc}") from None
+        if self.kind == "choice" and value not in self.choices:
+            raise ConfigError(f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+_REPLICATION = ("run", "sync", "peek")
+
+OPTIONS: tuple[Option, ...] = (
+    Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
+           "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status",)),
+    Option("target", "libpq connection string or URL of the target (replica) database.",
+           secret=True, commands=("run", "sync", "status")),
+    Option("slot", "Logical replication slot on the source that this worker consumes.",
+           commands=_REPLICATION + ("status",)),
+    Option("publication", "Publication name(s) on the source, comma separated.", kind="list",
+           commands=_REPLICATION),
+    Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
+           default=False, commands=("run",)),
+    Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
+           "supports (15: 3, 16+: 4).", kind="int", commands=_REPLICATION),
+    Option("streaming", "Stream large in-progress transactions: off, on, or parallel (protocol 4, "
+           "adds abort LSNs). Default: parallel on protocol 4, on for 2-3, off for 1.",
+           kind="choice", choices=("off", "on", "parallel"), commands=_REPLICATION),
+    Option("two_phase", "Decode prepared transactions at PREPARE time (protocol 3+). Default: "
+           "on when the slot was created with two_phase.", kind="bool", commands=_REPLICATION),
+    Option("binary", "Ask the source for binary column values (source and target types must "
+           "then match exactly).", kind="bool", default=False, commands=_REPLICATION),
+    Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
+           commands=_REPLICATION),
+    Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
+           "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
+    Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
+           "budget. Default: a directory per slot under the system temp directory.", kind="path"),
+    Option("exit_when_caught_up", "Exit 0 once everything the source committed before start-up "
+           "is applied and confirmed, instead of running until SIGTERM/SIGINT.", kind="bool",
+           default=False),
+    Option("status_interval", "Seconds between standby status updates to the source (at most 10).",
+           kind="int", default=10),
+    Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
+           kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+           commands=("run", "sync", "peek", "status", "demo")),
+)
+
+OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+
+
+@dataclass
+class Settings:
+    """Resolved settings for one command. ``values`` holds every option of that command."""
+
+    command: str
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)  # option -> 'default'|'file'|'env'|'cli'
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def require(self, *names: str) -> None:
+        missing = [OPTIONS_BY_NAME[n] for n in names if self.values.get(n) in (None, [], "")]
+        if missing:
+            listed = ", ".join(f"{o.flag} (or {o.env}, or '{o.name}' in the config file)" for o in missing)
+            raise ConfigError(f"missing required setting(s): {listed}")
+
+    def describe(self) -> dict[str, Any]:
+        """The settings as they may be logged: DSN passwords masked."""
+        shown: dict[str, Any] = {}
+        for name, value in self.values.items():
+            option = OPTIONS_BY_NAME.get(name)
+            shown[name] = mask_dsn(value) if option and option.secret and value else value
+        return shown
+
+
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
+_KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
+
+
+def mask_dsn(dsn: str) -> str:
+    """Hide the password in a libpq URL or key/value connection string."""
+    masked = _URL_PASSWORD.sub(r"\1****\3", str(dsn))
+    return _KV_PASSWORD.sub(r"\1****", masked)
+
+
+def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path | None = None,
+                  environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve the options of ``command``: defaults < config file < environment < command line.
+
+    ``cli_values`` holds only what was given on the command line (None means not given).
+    """
+    environ = os.environ if environ is None else environ
+    file_values: dict[str, Any] = {}
+    path = config_file or (Path(environ["APPLIER_CONFIG"]) if environ.get("APPLIER_CONFIG") else None)
+    if path is not None:
+        file_values = _read_config_file(path)
+    settings = Settings(command)
+    for option in OPTIONS:
+        if command not in option.commands:
+            continue
+        value, origin = option.default, "default"
+        if option.name in file_values:
+            value, origin = option.convert(file_values[option.name]), "file"
+        if option.env in environ:
+            value, origin = option.convert(environ[option.env]), "env"
+        if cli_values.get(option.name) is not None:
+            value, origin = option.convert(cli_values[option.name]), "cli"
+        settings.values[option.name] = value
+        settings.sources[option.name] = origin
+    _validate(settings)
+    return settings
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    values = {key.replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(values) - set(OPTIONS_BY_NAME))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
+                          "see config/applier.example.toml for the valid names")
+    return values
+
+
+def _validate(settings: Settings) -> None:
+    values = settings.values
+    version = values.get("proto_version")
+    if version is not None and not 1 <= version <= 4:
+        raise ConfigError(f"proto_version: {version} is not a pgoutput protocol version (1-4)")
+    streaming = values.get("streaming")
+    if version is not None and streaming not in (None, "off") and version < 2:
+        raise ConfigError("streaming needs protocol version 2 or later; use --proto-version 2+ "
+                          "or --streaming off")
+    if version is not None and streaming == "parallel" and version < 4:
+        raise ConfigError("streaming=parallel needs protocol version 4 (PostgreSQL 16+)")
+    if version is not None and values.get("two_phase") and version < 3:
+        raise ConfigError("two_phase needs protocol version 3 or later (PostgreSQL 15+)")
+    interval = values.get("status_interval")
+    if interval is not None and not 1 <= interval <= 10:
+        raise ConfigError("status_interval must be between 1 and 10 seconds")
+    budget = values.get("memory_budget")
+    if budget is not None and budget < 64 * 1024:
+        raise ConfigError("memory_budget must be at least 64kB")

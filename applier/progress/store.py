@@ -1,0 +1,104 @@
+"""Bookkeeping schema upgrades, recorded positions and the per-slot worker lock."""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+
+import psycopg
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.pool import NullPool
+
+from ..apply.sink import AppliedPosition
+from ..protocol.lsn import LSN
+
+__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "read_position",
+           "upgrade_schema", "MIGRATIONS_DIR"]
+
+#: Advisory lock namespace (first key) for applier; the second key identifies what is locked.
+_LOCK_NAMESPACE = 0x4150504C  # 'APPL'
+_MIGRATION_LOCK_KEY = 0
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "_migrations"
+if not MIGRATIONS_DIR.is_dir():  # source checkout / editable install: the top-level folder
+    MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+class SchemaError(RuntimeError):
+    pass
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def make_engine(dsn: str) -> Engine:
+    """SQLAlchemy engine over psycopg 3 for a libpq DSN in either URL or key=value form."""
+    return create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn),
+                         poolclass=NullPool)
+
+
+def upgrade_schema(engine: Engine) -> None:
+    """Create or upgrade the ``applier`` schema to the newest migration.
+
+    Two workers starting at once serialise on a transaction-level advisory lock; the second
+    finds the schema current and does nothing.
+    """
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock(:ns, :key)"),
+                         {"ns": _LOCK_NAMESPACE, "key": _MIGRATION_LOCK_KEY})
+            conn.execute(text("CREATE SCHEMA IF NOT EXISTS applier"))
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+    except Exception as exc:  # alembic and SQLAlchemy raise many types; one clear message
+        raise SchemaError(f"target: cannot create or upgrade the applier bookkeeping schema: {exc}. "
+                          "The target role needs CREATE on the database (or an existing applier "
+                          "schema it owns).") from exc
+
+
+def read_position(engine: Engine, slot: str) -> AppliedPosition | None:
+    with engine.connect() as conn:
+        row = conn.execute(text("SELECT commit_lsn::text, end_lsn::text FROM applier.progress "
+                                "WHERE slot_name = :slot"), {"slot": slot}).first()
+    if row is None:
+        return None
+    return AppliedPosition(LSN.parse(row[0]), LSN.parse(row[1]))
+
+
+class WorkerLock:
+    """A session advisory lock per slot on the target: one worker per slot and target, ever.
+
+    Held on its own connection for the worker's lifetime; PostgreSQL releases it if that
+    connection dies, so a crashed worker never blocks its successor.
+    """
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self._conn: psycopg.Connection | None = None
+
+    def acquire(self) -> None:
+        conn = psycopg.connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
+        key = zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4
+        got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, key)).fetchone()
+        if not got or not got[0]:
+            holder = conn.execute(
+                "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
+                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
+                (_LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
+            conn.close()
+            who = f" (target backend pid {holder[0]}, {holder[1]!r})" if holder else ""
+            raise AlreadyRunning(f"another applier worker is already running for slot {self.slot!r} "
+                                 f"on this target{who}; stop it first")
+        self._conn = conn
+
+    def release(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

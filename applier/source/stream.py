@@ -1,0 +1,223 @@
+"""The replication connection: START_REPLICATION over CopyBoth, keepalives and feedback.
+
+Owns one ``replication="database"`` psycopg connection. ``read()`` returns XLogData payloads and
+answers keepalives itself; ``confirm()`` takes the flush position from the worker and standby
+status updates report exactly that (never more), at least every ``status_interval`` seconds.
+Must never decode pgoutput (that is the protocol stage) or guess durability.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import struct
+import time
+from dataclasses import dataclass
+
+import psycopg
+from psycopg import pq
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+from ..protocol.lsn import LSN, PG_EPOCH
+from .options import StreamOptions
+
+__all__ = ["ReplicationStream", "SourceError", "XLogData", "replication_conninfo"]
+
+log = logging.getLogger(__name__)
+
+_XLOGDATA_HEADER = struct.Struct(">QQQ")
+_KEEPALIVE = struct.Struct(">QQB")
+_STATUS = struct.Struct(">cQQQQB")
+
+#: SQLSTATEs after which retrying cannot help: the operator must act.
+PERMANENT_SQLSTATES = {
+    "42704": "does not exist",            # slot or publication missing
+    "28P01": "authentication failed",
+    "28000": "authorization failed",
+    "55006": "object in use",             # slot active for another process
+    "3D000": "database does not exist",
+    "42501": "insufficient privilege",
+    "0A000": "feature not supported",
+    "22023": "invalid parameter value",
+    "42710": "duplicate object",
+}
+
+
+class SourceError(Exception):
+    """A source-side failure. ``permanent`` means retrying cannot help."""
+
+    def __init__(self, message: str, *, permanent: bool, sqlstate: str | None = None) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+        self.sqlstate = sqlstate
+
+
+@dataclass(frozen=True, slots=True)
+class XLogData:
+    data_start: LSN
+    wal_end: LSN
+    payload: bytes
+
+
+def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
+    """The source DSN with replication=database and the session settings every text value needs
+    to round-trip exactly (the same ones PostgreSQL's own subscriber sets)."""
+    params = conninfo_to_dict(dsn)
+    session = ("-c datestyle=ISO -c intervalstyle=postgres -c extra_float_digits=3 "
+               f"-c client_encoding={client_encoding}")
+    params["options"] = f"{params['options']} {session}" if params.get("options") else session
+    params["replication"] = "database"
+    params.setdefault("application_name", "applier")
+    return make_conninfo(**params)
+
+
+def classify(exc: psycopg.Error) -> SourceError:
+    sqlstate = getattr(exc, "sqlstate", None)
+    permanent = sqlstate in PERMANENT_SQLSTATES
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return SourceError(f"source: {text}", permanent=permanent, sqlstate=sqlstate)
+
+
+class ReplicationStream:
+    """One START_REPLICATION session. Not thread-safe; one per worker."""
+
+    def __init__(self, dsn: str, slot: str, options: StreamOptions, *, status_interval: float = 10.0,
+                 client_encoding: str = "UTF8") -> None:
+        self.slot = slot
+        self.options = options
+        self.status_interval = status_interval
+        self._conninfo = replication_conninfo(dsn, client_encoding)
+        self._conn: psycopg.Connection | None = None
+        self.received_lsn = LSN(0)     # highest position the server has sent us (data or keepalive)
+        self.flush_lsn = LSN(0)        # durable on the target: the only position we ever confirm
+        self.keepalive_wal_end = LSN(0)
+        self._last_status = 0.0
+        self.bytes_received = 0
+
+    # -- connection ---------------------------------------------------------------------------
+    def connect(self) -> psycopg.Connection:
+        try:
+            self._conn = psycopg.connect(self._conninfo, autocommit=True)
+        except psycopg.Error as exc:
+            raise classify(exc) from exc
+        return self._conn
+
+    @property
+    def connection(self) -> psycopg.Connection:
+        if self._conn is None:
+            raise SourceError("replication connection is not open", permanent=False)
+        return self._conn
+
+    def server_version(self) -> int:
+        return self.connection.info.server_version
+
+    def identify_system(self) -> tuple[str, int, LSN]:
+        """(system id, timeline, current WAL flush position)."""
+        try:
+            row = self.connection.execute("IDENTIFY_SYSTEM").fetchone()
+        except psycopg.Error as exc:
+            raise classify(exc) from exc
+        assert row is not None
+        return row[0], int(row[1]), LSN.parse(row[2])
+
+    def start(self, start_lsn: LSN) -> None:
+        """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush)."""
+        self.flush_lsn = max(self.flush_lsn, start_lsn)
+        self.received_lsn = max(self.received_lsn, start_lsn)
+        command = (f"START_REPLICATION SLOT {_quote_ident(self.slot)} LOGICAL {start_lsn} "
+                   f"{self.options.sql()}")
+        log.debug("source: %s", command)
+        pgconn = self.connection.pgconn
+        pgconn.send_query(command.encode())
+        result = pgconn.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            message = (result.error_message.decode(errors="replace").strip() if result else "")
+            sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
+            state = sqlstate.decode() if sqlstate else None
+            raise SourceError(f"source: START_REPLICATION failed: {message or pgconn.error_message.decode(errors='replace')}",
+                              permanent=state in PERMANENT_SQLSTATES, sqlstate=state)
+        pgconn.nonblocking = 1
+        self._last_status = time.monotonic()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # -- stream -------------------------------------------------------------------------------
+    def read(self, timeout: float) -> XLogData | None:
+        """Next XLogData, or None after ``timeout`` seconds without one.
+
+        Keepalives are consumed here; a keepalive that asks for a reply gets a status update at
+        once, and one is sent anyway when ``status_interval`` has passed.
+        """
+        pgconn = self.connection.pgconn
+        deadline = time.monotonic() + timeout
+        while True:
+            self._maybe_send_status()
+            nbytes, data = pgconn.get_copy_data(1)
+            if nbytes == 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                wait = min(remaining, self.status_interval)
+                readable, _, _ = select.select([pgconn.socket], [], [], wait)
+                if readable:
+                    pgconn.consume_input()
+                continue
+            if nbytes < 0:
+                self._raise_stream_end()
+            kind = data[0]
+            self.bytes_received += nbytes
+            if kind == 0x77:  # 'w' XLogData
+                start, wal_end, _ = _XLOGDATA_HEADER.unpack_from(data, 1)
+                if start > self.received_lsn:
+                    self.received_lsn = LSN(start)
+                return XLogData(LSN(start), LSN(wal_end), bytes(data[25:]))
+            if kind == 0x6B:  # 'k' keepalive
+                wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                self.keepalive_wal_end = LSN(wal_end)
+                if wal_end > self.received_lsn:
+                    self.received_lsn = LSN(wal_end)
+                if reply:
+                    self.send_status()
+                continue
+            raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}", permanent=True)
+
+    def _raise_stream_end(self) -> None:
+        pgconn = self.connection.pgconn
+        result = pgconn.get_result()
+        message = ""
+        state = None
+        if result is not None and result.status == pq.ExecStatus.FATAL_ERROR:
+            message = result.error_message.decode(errors="replace").strip()
+            raw = result.error_field(pq.DiagnosticField.SQLSTATE)
+            state = raw.decode() if raw else None
+        message = message or pgconn.error_message.decode(errors="replace").strip() or "the server ended the stream"
+        raise SourceError(f"source: {message}", permanent=state in PERMANENT_SQLSTATES, sqlstate=state)
+
+    def confirm(self, flush_lsn: LSN) -> None:
+        """Record a position durable on the target; the next status update reports it."""
+        if flush_lsn > self.flush_lsn:
+            self.flush_lsn = LSN(flush_lsn)
+
+    def _maybe_send_status(self) -> None:
+        if time.monotonic() - self._last_status >= self.status_interval:
+            self.send_status()
+
+    def send_status(self, reply_requested: bool = False) -> None:
+        """Standby status update: write = received, flush = apply = the confirmed position."""
+        now = int((time.time() - PG_EPOCH.timestamp()) * 1_000_000)
+        written = max(self.received_lsn, self.flush_lsn)
+        message = _STATUS.pack(b"r", written, self.flush_lsn, self.flush_lsn, now, int(reply_requested))
+        pgconn = self.connection.pgconn
+        if pgconn.put_copy_data(message) != 1:
+            raise SourceError(f"source: could not send status update: "
+                              f"{pgconn.error_message.decode(errors='replace').strip()}", permanent=False)
+        while pgconn.flush() == 1:
+            select.select([], [pgconn.socket], [], 1.0)
+        self._last_status = time.monotonic()
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'

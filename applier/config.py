@@ -115,6 +115,14 @@ OPTIONS: tuple[Option, ...] = (
            "then match exactly).", kind="bool", default=False, commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),
+    Option("origin", "Publisher-side origin filter (PostgreSQL 16+): 'none' sends only changes "
+           "that originated on the source itself, 'any' sends everything.", kind="choice",
+           choices=("any", "none"), commands=_REPLICATION),
+    Option("sql", "Peek over the SQL interface (pg_logical_slot_peek_binary_changes) instead of "
+           "the replication protocol.", kind="bool", default=False, commands=("peek",)),
+    Option("limit", "Stop after printing this many messages.", kind="int", commands=("peek",)),
+    Option("timeout", "Stop after this many seconds without a new message.", kind="int",
+           default=5, commands=("peek",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "

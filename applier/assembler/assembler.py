@@ -75,6 +75,12 @@ class Assembler:
         return self._block is not None
 
     @property
+    def idle(self) -> bool:
+        """No transaction or stream block open and nothing buffered: every message received so
+        far has been fully delivered to the sink."""
+        return self._plain is None and self._block is None and not self._streams
+
+    @property
     def memory_bytes(self) -> int:
         """Bytes charged against the budget by all open streamed transactions."""
         return self._memory_bytes

@@ -1,0 +1,99 @@
+"""Command line: sub-commands and their options. Wiring only; no logic beyond it.
+
+Every option comes from ``config.OPTIONS`` so that the command line, the environment
+(``APPLIER_*``), the config file and the documentation stay one list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from . import __version__
+from .config import OPTIONS, ConfigError, Settings, load_settings
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("applier")
+
+COMMANDS: dict[str, str] = {
+    "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
+    "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
+}
+
+_EPILOG = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
+           "as an environment variable APPLIER_<NAME>; the command line beats the environment, "
+           "which beats the file. See config/applier.example.toml.")
+
+
+def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    parser.add_argument("--config", type=Path, help="TOML config file with any of these options "
+                        "(keys as the long option names, with - or _).")
+    for option in OPTIONS:
+        if command not in option.commands:
+            continue
+        help_text = f"{option.help} [env {option.env}]"
+        if option.default is not None and option.kind != "bool":
+            help_text += f" (default: {option.default})"
+        if option.kind == "bool":
+            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                                default=None, help=help_text)
+        elif option.kind == "choice":
+            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
+                                help=help_text)
+        else:
+            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR"}.get(
+                option.kind, "DSN" if option.secret else "NAME")
+            parser.add_argument(option.flag, dest=option.name, metavar=metavar, default=None,
+                                help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="applier",
+        description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
+                    "(protocol 1-4) and applies each source transaction exactly once to a target "
+                    "database.",
+        epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"applier {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, summary in COMMANDS.items():
+        sub = commands.add_parser(name, help=summary, description=summary, epilog=_EPILOG)
+        _add_options(sub, name)
+    return parser
+
+
+def _runner(command: str) -> Callable[[Settings], int]:
+    if command == "run":
+        from .worker import run
+        return run
+    if command == "peek":
+        from .peek import peek
+        return peek
+    raise AssertionError(command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        settings = load_settings(args.command, cli_values, args.config)
+    except ConfigError as exc:
+        parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
+    logging.basicConfig(level=settings.values.get("log_level", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not news
+    try:
+        return _runner(args.command)(settings)
+    except ConfigError as exc:
+        parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

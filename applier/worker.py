@@ -1,0 +1,309 @@
+"""The replication worker: ``applier run``.
+
+How the whole thing works
+=========================
+
+A worker consumes one logical replication slot on the source and keeps one target database
+equal to the source's published tables, applying every source transaction exactly once and in
+commit order. Data flows one way through five stages, each in its own package:
+
+    source (CopyBoth stream) -> protocol (decode) -> assembler (transactions) -> apply -> progress
+
+* ``source`` opens a ``replication=database`` connection with the session settings that make
+  every text value round-trip exactly (ISO dates, ``postgres`` intervals, ``extra_float_digits=3``,
+  the target's encoding) and runs START_REPLICATION from the position recorded on the target. It
+  answers keepalives and sends a standby status update at least every ``status_interval``.
+* ``protocol`` turns each XLogData payload into an immutable message. It is stateless; the worker
+  tells it whether it is inside a streamed block, where data messages carry an xid.
+* ``assembler`` checks that the messages form possible sequences and turns them into
+  transactions. Plain transactions are handed on as they arrive (the server sends them whole, at
+  commit). Streamed transactions (large ones the server sends while they are still running) are
+  held per xid as raw bytes, within a memory budget shared by all of them and spilled to local
+  files beyond it; a subtransaction abort cuts exactly that subtransaction and the ones started
+  after it; at Stream Commit the transaction is replayed in order.
+* ``apply`` maps each source relation to the target table of the same schema-qualified name and
+  its columns by name, and executes cached, prepared statements whose parameters are the bytes
+  received, in the format they arrived in, cast by the target column's type. The target session
+  runs as a replica (``session_replication_role = replica``) with an empty ``search_path``.
+* ``progress``: the last statement of every target transaction records the source commit LSN,
+  end LSN and commit time for this slot, in that same transaction.
+
+Invariants (the tests kill the worker at random points to check them)
+--------------------------------------------------------------------
+1. A source transaction becomes visible on the target whole or not at all, in source commit
+   order: one source transaction is one target transaction.
+2. The progress row commits in the same target transaction as the data it covers.
+3. The flush position told to the slot never passes a commit that is not durable on the target:
+   it advances only after COMMIT returned (``synchronous_commit`` is left at its default, on).
+   When no transaction is open or buffered, the position the server last said it had sent
+   (keepalive WAL end) is confirmed too, so a slot of idle or filtered tables holds no WAL back.
+4. On start, everything at or below the recorded position is skipped; nothing above it is. The
+   server starts at max(requested, slot's confirmed position); transactions it redelivers that
+   were applied but not yet confirmed are recognised by their commit LSN and skipped whole.
+5. Memory for open transactions is bounded; beyond it, disk; spill files never outlive their
+   transaction (and are removed at start: the server resends unconfirmed transactions).
+
+Failures
+--------
+A lost connection on either side ends the current session: the open target transaction (if any)
+is rolled back, buffered streamed transactions are dropped, and after a backoff (tenacity) a new
+session starts from the recorded position. Errors that waiting cannot fix (slot or publication
+missing, authentication, a missing target table or column, malformed protocol bytes) stop the
+worker with a message that names the object, the source LSN and xid where known, and what to do;
+nothing of the failing transaction or any later one is applied, and the next start resumes there.
+
+Stopping
+--------
+SIGTERM or SIGINT ends the worker between messages: an open target transaction is rolled back
+(the source will resend it), a final status update confirms what is durable, and it exits 0.
+With ``--exit-when-caught-up`` it exits 0 once every transaction the source had committed when
+the worker started is applied on the target and the slot has confirmed it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import psycopg
+from sqlalchemy import Engine
+from tenacity import (
+    RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential,
+)
+
+from .apply.relations import reflect_table, TargetTable
+from .apply.session import TargetError, TargetSession
+from .apply.sink import ApplyError, AppliedPosition, TargetApplier
+from .assembler import Assembler, ProtocolSequenceError
+from .config import ConfigError, Settings, mask_dsn
+from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
+from .protocol import LSN, DecodeError, decode
+from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
+from .source.slots import create_slot, publications_missing, slot_info
+
+__all__ = ["Worker", "WorkerFailed", "run"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailed(Exception):
+    """A permanent failure: the message says what is wrong and what to do."""
+
+
+class _StopRequested(Exception):
+    pass
+
+
+@dataclass
+class _CaughtUp:
+    """The source's WAL position when the worker started: --exit-when-caught-up's goal."""
+
+    goal: LSN
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, SourceError):
+        return not exc.permanent
+    if isinstance(exc, (TargetError, ApplyError)):
+        return exc.transient
+    return isinstance(exc, psycopg.OperationalError)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    wait = state.next_action.sleep if state.next_action else 0
+    log.warning("session ended: %s; reconnecting in %.1f s (attempt %d)", exc, wait, state.attempt_number)
+
+
+class Worker:
+    def __init__(self, settings: Settings) -> None:
+        settings.require("source", "target", "slot", "publication")
+        self.settings = settings
+        self.slot: str = settings.slot
+        self.stop_requested = False
+        self.caught_up: _CaughtUp | None = None
+        spill = settings.spill_dir or Path(tempfile.gettempdir()) / f"applier-spill-{_safe(self.slot)}"
+        self.spill_dir = Path(spill)
+        self._engine: Engine | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        lock = WorkerLock(self.settings.target, self.slot)
+        try:
+            self._engine = make_engine(self.settings.target)
+            self._with_retry(lambda: upgrade_schema(self._engine))
+            self._with_retry(lock.acquire)
+            log.info("worker for slot %r started: source %s, target %s", self.slot,
+                     mask_dsn(self.settings.source), mask_dsn(self.settings.target))
+            self._with_retry(self._session)
+            return 0
+        except _StopRequested:
+            log.info("stopped on signal")
+            return 0
+        finally:
+            lock.release()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: stopping after the current message", signal.Signals(signum).name)
+        self.stop_requested = True
+
+    def _with_retry(self, func) -> None:  # noqa: ANN001 - a no-argument callable
+        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_never,
+                            wait=wait_exponential(multiplier=0.5, max=30), reraise=True,
+                            before_sleep=_log_retry)
+        for attempt in retrying:
+            with attempt:
+                if self.stop_requested:
+                    raise _StopRequested()
+                func()
+
+    # -- one connected session ------------------------------------------------------------------
+    def _session(self) -> None:
+        settings = self.settings
+        assert self._engine is not None
+        engine = self._engine
+        applied = read_position(engine, self.slot) or AppliedPosition(LSN(0), LSN(0))
+        target = TargetSession(settings.target, application_name=f"applier {self.slot}")
+        control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
+        stream: ReplicationStream | None = None
+        assembler: Assembler | None = None
+        applier: TargetApplier | None = None
+        try:
+            slot_two_phase = self._check_source(control)
+            probe_version = control.info.server_version
+            try:
+                options = resolve_stream_options(
+                    probe_version, settings.publication, proto_version=settings.proto_version,
+                    streaming=settings.streaming, two_phase=settings.two_phase,
+                    slot_two_phase=slot_two_phase, binary=settings.binary,
+                    messages=settings.messages, origin=settings.origin)
+            except UnsupportedOption as exc:
+                raise ConfigError(str(exc)) from None
+            stream = ReplicationStream(settings.source, self.slot, options,
+                                       status_interval=settings.status_interval,
+                                       client_encoding=target.server_encoding)
+            stream.connect()
+            if self.caught_up is None and settings.exit_when_caught_up:
+                self.caught_up = _CaughtUp(stream.identify_system()[2])
+                log.info("will exit once caught up with source position %s", self.caught_up.goal)
+
+            def on_commit(end_lsn: LSN) -> None:
+                stream.confirm(end_lsn)
+
+            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit)
+            assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
+            log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
+                     applied.commit_lsn, options.sql())
+            stream.start(applied.end_lsn)
+            self._stream_loop(stream, assembler, control)
+        except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
+            if _transient(exc):
+                raise
+            raise WorkerFailed(self._describe_failure(exc, stream)) from exc
+        finally:
+            if applier is not None:
+                try:
+                    applier.abort_open_transaction()
+                except TargetError:
+                    pass  # the connection is gone; so is the transaction
+            if assembler is not None:
+                assembler.close()
+            if stream is not None:
+                try:
+                    if stream._conn is not None and not stream.connection.closed:
+                        stream.send_status()
+                except (SourceError, psycopg.Error):
+                    pass
+                stream.close()
+            target.close()
+            control.close()
+
+    def _describe_failure(self, exc: Exception, stream: ReplicationStream | None) -> str:
+        where = f"slot {self.slot!r}"
+        if stream is not None:
+            where += f", last received source LSN {stream.received_lsn}"
+        return f"{exc} ({where})"
+
+    def _reflector(self, engine: Engine):  # -> Callable[[str, str], TargetTable]
+        def reflect(schema: str, name: str) -> TargetTable:
+            with engine.connect() as conn:
+                return reflect_table(conn, schema, name)
+        return reflect
+
+    def _check_source(self, control: psycopg.Connection) -> bool:
+        """Slot and publications exist (creating the slot when asked); returns the slot's two_phase."""
+        settings = self.settings
+        info = slot_info(control, self.slot)
+        if info is None:
+            if not settings.create_slot:
+                raise SourceError(f"source: replication slot {self.slot!r} does not exist; create it "
+                                  "with --create-slot (or applier sync)", permanent=True)
+            info = create_slot(control, self.slot, two_phase=bool(settings.two_phase))
+            log.info("created slot %r at %s", self.slot, info.confirmed_flush_lsn)
+        elif info.plugin != "pgoutput":
+            raise SourceError(f"source: slot {self.slot!r} uses plugin {info.plugin!r}; applier "
+                              "needs a pgoutput slot", permanent=True)
+        missing = publications_missing(control, settings.publication)
+        if missing:
+            raise SourceError(f"source: publication(s) {', '.join(map(repr, missing))} do not exist "
+                              "in the source database; create them (CREATE PUBLICATION) or fix "
+                              "--publication", permanent=True)
+        return info.two_phase
+
+    def _stream_loop(self, stream: ReplicationStream, assembler: Assembler,
+                     control: psycopg.Connection) -> None:
+        while not self.stop_requested:
+            data = stream.read(timeout=0.5)
+            if data is not None:
+                message = decode(data.payload, assembler.in_stream)
+                assembler.feed(message, data.payload)
+                if not assembler.idle:
+                    continue
+            elif not assembler.idle:
+                continue
+            # Nothing open or buffered: everything the server sent is applied, so the position
+            # it last reported having sent is safe to confirm (idle or filtered tables).
+            if stream.keepalive_wal_end > stream.flush_lsn:
+                stream.confirm(stream.keepalive_wal_end)
+            if self.caught_up is not None and self._is_caught_up(stream, control):
+                log.info("caught up: the slot confirmed %s", stream.flush_lsn)
+                return
+        raise _StopRequested()
+
+    def _is_caught_up(self, stream: ReplicationStream, control: psycopg.Connection) -> bool:
+        assert self.caught_up is not None
+        if stream.flush_lsn < self.caught_up.goal:
+            # Ask the server for a keepalive: its WAL end tells us when nothing more is coming.
+            stream.send_status(reply_requested=True)
+            return False
+        stream.send_status()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            info = slot_info(control, self.slot)
+            if info and info.confirmed_flush_lsn is not None and info.confirmed_flush_lsn >= self.caught_up.goal:
+                return True
+            time.sleep(0.05)
+            stream.send_status()
+        return False
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+def run(settings: Settings) -> int:
+    """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
+    try:
+        return Worker(settings).run()
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError) as exc:
+        log.error("%s", exc)
+        return 1

@@ -9,6 +9,7 @@ masking secrets for logs. Must never open a connection or decide anything about 
 from __future__ import annotations
 
 import os
+import textwrap
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -242,3 +243,35 @@ def _validate(settings: Settings) -> None:
     budget = values.get("memory_budget")
     if budget is not None and budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")
+
+
+def example_config() -> str:
+    """The fully commented example config file (config/applier.example.toml is this text)."""
+    lines = ["# applier configuration file (TOML). Every key is optional here and may instead come",
+             "# from the command line (--kebab-case) or the environment (APPLIER_UPPER_CASE);",
+             "# the command line beats the environment, which beats this file.",
+             "# Generated from applier/config.py; a test checks that it is current.", ""]
+    for option in OPTIONS:
+        lines.extend("# " + line for line in textwrap.wrap(option.help, 94))
+        lines.append(f"# commands: {', '.join(option.commands)}; environment: {option.env}")
+        lines.append(f"# {option.name} = {_toml_example(option)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_example(option: Option) -> str:
+    samples = {"source": '"host=source.example port=5432 dbname=app user=replicator sslmode=verify-full"',
+               "target": '"postgresql://applier@replica.example:5432/app?sslmode=verify-full"',
+               "slot": '"applier_app"', "publication": '["app_pub"]', "spill_dir": '"/var/lib/applier/spill"'}
+    if option.name in samples:
+        return samples[option.name]
+    value = option.default
+    if option.kind == "size" and isinstance(value, int):
+        return f'"{value // 1024**2}MB"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return f'"{value}"'
+    return {"bool": "true", "int": "4", "choice": f'"{option.choices[0]}"' if option.choices else '""'}.get(option.kind, '""')

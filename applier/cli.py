@@ -22,6 +22,7 @@ log = logging.getLogger("applier")
 COMMANDS: dict[str, str] = {
     "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
+    "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
 }
 
 _EPILOG = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, summary in COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=summary, epilog=_EPILOG)
+        if name == "demo":
+            from .demo import add_arguments
+            add_arguments(sub)
+            continue
         _add_options(sub, name)
     return parser
 
@@ -79,6 +84,10 @@ def _runner(command: str) -> Callable[[Settings], int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        logging.basicConfig(level=logging.WARNING)
+        from .demo import run_demo
+        return run_demo(args)
     cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         settings = load_settings(args.command, cli_values, args.config)

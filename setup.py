@@ -1,12 +1,18 @@
-"""Build hook for the optional C accelerator; all other metadata lives in pyproject.toml.
+"""Build hook: the optional C accelerator and the package layout; other metadata is in pyproject.toml.
 
 ``optional=True`` lets an install without a C compiler succeed: the decoder then stays on its
-pure-Python path.
+pure-Python path. The top-level ``migrations/`` folder ships inside the package as
+``applier._migrations`` so an installed applier (a wheel, the Docker image) can upgrade its
+bookkeeping schema; a source checkout uses the folder in place.
 """
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
+    packages=find_packages(include=["applier", "applier.*"])
+    + ["applier._migrations", "applier._migrations.versions"],
+    package_dir={"applier._migrations": "migrations"},
+    package_data={"applier._migrations": ["script.py.mako"], "applier.spark": ["*.properties"]},
     ext_modules=[
         Extension(
             "applier.protocol._speedups",

@@ -1,0 +1,295 @@
+"""``applier peek``: print the decoded messages waiting in a slot as JSON lines, consuming nothing.
+
+Owns reading a slot for inspection, over the replication protocol (default: START_REPLICATION
+from the slot's ``confirmed_flush_lsn``) or over the SQL interface (``--sql``:
+``pg_logical_slot_peek_binary_changes``), and the JSON shape of a decoded message. Must never
+consume or alter the slot: it never calls ``ReplicationStream.confirm()``, so every standby status
+update reports the slot's own ``confirmed_flush_lsn`` (which changes nothing), it uses only the
+*peek* SQL function, and it refuses ``--two-phase`` on a slot created without two-phase (the
+server would switch the slot to two-phase decoding for good). Must never print a DSN password.
+
+Output: one JSON object per line on stdout, in the order the server sent the messages::
+
+    {"lsn": "0/1A2B3C4D", "type": "insert", "xid": null, "relation_id": 16385,
+     "new_tuple": [{"kind": "t", "value": "1"}, {"kind": "n", "value": null}]}
+
+* ``lsn`` -- ``X/XXXXXXXX``: the XLogData start position (replication protocol) or the row's
+  ``lsn`` (SQL interface).
+* ``type`` -- the message's snake_case name: ``begin``, ``commit``, ``origin``, ``relation``,
+  ``type``, ``insert``, ``update``, ``delete``, ``truncate``, ``message``, ``stream_start``,
+  ``stream_stop``, ``stream_commit``, ``stream_abort``, ``begin_prepare``, ``prepare``,
+  ``commit_prepared``, ``rollback_prepared``, ``stream_prepare``.
+* then every field of the message's dataclass in ``applier.protocol.messages``, under its field
+  name, followed by its convenience properties:
+
+  - LSNs (``final_lsn``, ``commit_lsn``, ``end_lsn``, ``origin_lsn``, ``prepare_lsn``,
+    ``abort_lsn``, ...) as ``X/XXXXXXXX`` strings; timestamps (``commit_time``, ``prepare_time``,
+    ``abort_time``, ...) as ISO-8601 strings with offset; ``abort_lsn``/``abort_time`` of
+    ``stream_abort`` are ``null`` unless protocol 4 with ``--streaming parallel``.
+  - ``xid`` on relation/type/insert/update/delete/truncate/message is the (sub)transaction id
+    the server sends inside a streamed block only, else ``null``.
+  - ``relation``: ``relation_id`` (the table OID), ``namespace``, ``name``,
+    ``replica_identity`` (``d``/``n``/``f``/``i``), ``columns``: a list of
+    ``{"flags", "name", "type_oid", "type_modifier", "is_key"}``.
+  - ``new_tuple`` / ``old_tuple``: a list of ``{"kind", "value"}`` per column; kind ``t``: the
+    text value as a string (UTF-8, invalid bytes replaced by U+FFFD), ``b``: the binary value as
+    a hex string, ``n``: NULL (value ``null``), ``u``: unchanged TOASTed value (value ``null``).
+    ``old_kind`` is ``K`` (key columns), ``O`` (whole old row) or ``null`` (update without one).
+  - ``truncate``: ``options``, ``relation_ids`` (list), ``cascade``, ``restart_identity``.
+  - ``message``: ``flags``, ``lsn`` (the message's own LSN, which is also the position the
+    server sends it at, so the line's ``lsn`` key holds it), ``prefix``, ``content`` (text if
+    valid UTF-8, else ``null``), ``content_hex`` (always), ``transactional``.
+  - ``stream_start``: ``xid``, ``first_segment``; ``stream_abort``: ``xid``, ``subxid``
+    (equal to ``xid`` when the whole transaction aborted).
+
+Stops after ``--limit`` messages or ``--timeout`` seconds without a new one (replication
+protocol); the SQL interface returns what the slot holds at once. Exit status 0 on success; 1 with
+one line on stderr when the slot or a publication is missing, the server cannot honour an option,
+the connection fails or a message cannot be decoded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Generator
+from contextlib import closing
+from datetime import datetime
+from functools import cache
+from itertools import islice
+from typing import Any, TextIO
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+
+from .config import Settings, mask_dsn
+from .protocol import LSN, DecodeError, decode
+from .protocol.messages import (
+    RelationColumn, ReplicationMessage, StreamStart, StreamStop, TupleData, Unchanged,
+)
+from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption
+from .source import resolve_stream_options
+
+__all__ = ["peek", "PeekError", "message_to_json", "sql_options"]
+
+_KIND_NAMES = {ord(k): k for k in "ntub"}
+
+
+class PeekError(Exception):
+    """Why peek cannot go on; the message is the one line shown to the user."""
+
+
+def peek(settings: Settings) -> int:
+    """Print the slot's pending messages as JSON lines; the exit status."""
+    settings.require("source", "slot", "publication")
+    try:
+        # islice stops after the limit without asking for one more message (which would wait for
+        # the timeout); closing() ends the replication connection right away.
+        with closing(_messages(settings)) as messages:
+            for lsn, message in islice(messages, settings.limit):
+                _emit(sys.stdout, message_to_json(lsn, message))
+    except BrokenPipeError:
+        # The reader (e.g. `| head`) has gone: that is a normal end. Point stdout at /dev/null so
+        # the interpreter's final flush does not complain again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (PeekError, UnsupportedOption, SourceError, DecodeError, psycopg.Error) as exc:
+        print(f"applier peek: {_one_line(exc, settings.source)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _emit(out: TextIO, obj: dict[str, Any]) -> None:
+    out.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    # Flushed per line so that a script reading the pipe sees each message as it arrives.
+    out.flush()
+
+
+def _one_line(exc: BaseException, dsn: str) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except psycopg.ProgrammingError:
+        password = None
+    if password:
+        text = text.replace(str(password), "****")
+    return mask_dsn(text)
+
+
+# -- reading the slot -----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    confirmed_flush_lsn: LSN
+    two_phase: bool
+
+
+def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+    """Check the slot, publications and options, then yield (lsn, message) from the slot."""
+    try:
+        conn = psycopg.connect(settings.source, autocommit=True)
+    except psycopg.Error as exc:
+        raise PeekError(f"cannot connect to the source: {exc}") from None
+    with conn:
+        slot = _slot(conn, settings.slot)
+        missing = _publications_missing(conn, settings.publication)
+        if missing:
+            names = ", ".join(repr(name) for name in missing)
+            verb = "does" if len(missing) == 1 else "do"
+            raise PeekError(f"publication {names} {verb} not exist in database "
+                            f"{conn.info.dbname!r} on the source")
+        options = resolve_stream_options(
+            conn.info.server_version, settings.publication, proto_version=settings.proto_version,
+            streaming=settings.streaming, two_phase=settings.two_phase,
+            slot_two_phase=slot.two_phase, binary=settings.binary, messages=settings.messages,
+            origin=settings.origin)
+        if options.two_phase and not slot.two_phase:
+            raise PeekError(f"slot {settings.slot!r} was created without two_phase; decoding it "
+                            "with two_phase would switch the slot to two-phase for good, and peek "
+                            "never alters a slot (leave --two-phase off)")
+        if settings.sql:
+            yield from _peek_sql(conn, settings.slot, options, settings.limit)
+            return
+    yield from _peek_replication(settings, slot, options)
+
+
+def _slot(conn: psycopg.Connection[Any], name: str) -> _Slot:
+    row = conn.execute(
+        "SELECT plugin, slot_type, database, confirmed_flush_lsn::text, "
+        + ("two_phase" if conn.info.server_version >= 140000 else "false")
+        + " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
+    if row is None:
+        raise PeekError(f"replication slot {name!r} does not exist on the source")
+    plugin, slot_type, database, confirmed, two_phase = row
+    if slot_type != "logical" or plugin != "pgoutput":
+        raise PeekError(f"replication slot {name!r} is not a logical pgoutput slot "
+                        f"({slot_type}, plugin {plugin})")
+    if database != conn.info.dbname:
+        raise PeekError(f"replication slot {name!r} belongs to database {database!r}; connect "
+                        "the source to that database")
+    return _Slot(LSN.parse(confirmed), bool(two_phase))
+
+
+def _publications_missing(conn: psycopg.Connection[Any], names: list[str]) -> list[str]:
+    rows = conn.execute("SELECT pubname FROM pg_catalog.pg_publication WHERE pubname = ANY(%s)",
+                        (names,)).fetchall()
+    found = {row[0] for row in rows}
+    return [name for name in names if name not in found]
+
+
+def sql_options(options: StreamOptions) -> list[str]:
+    """The pgoutput options as the SQL interface's variadic name/value text list."""
+    values = ["proto_version", str(options.proto_version),
+              "publication_names", ",".join(options.publications)]
+    if options.streaming != "off":
+        values += ["streaming", options.streaming]
+    if options.two_phase:
+        values += ["two_phase", "true"]
+    if options.binary:
+        values += ["binary", "true"]
+    if options.messages:
+        values += ["messages", "true"]
+    if options.origin is not None:
+        values += ["origin", options.origin]
+    return values
+
+
+def _peek_sql(conn: psycopg.Connection[Any], slot: str, options: StreamOptions,
+              limit: int | None) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+    # upto_nchanges stops decoding at the end of the transaction that reaches the limit, so the
+    # server does not decode the whole slot only for us to print the first few rows.
+    try:
+        rows = conn.execute(
+            "SELECT lsn::text, data FROM pg_catalog.pg_logical_slot_peek_binary_changes("
+            "%s, NULL, %s, VARIADIC %s::text[])", (slot, limit, sql_options(options))).fetchall()
+    except psycopg.Error as exc:
+        raise PeekError(f"source: {exc}") from None
+    in_stream = False
+    for lsn, data in rows:
+        message = decode(data, in_stream)
+        in_stream = _in_stream_after(message, in_stream)
+        yield LSN.parse(lsn), message
+
+
+def _peek_replication(settings: Settings, slot: _Slot, options: StreamOptions
+                      ) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+    stream = ReplicationStream(settings.source, settings.slot, options)
+    try:
+        stream.connect()
+        # Starting at confirmed_flush_lsn makes the stream's flush position exactly the slot's:
+        # its status updates then confirm nothing new. confirm() is never called.
+        stream.start(slot.confirmed_flush_lsn)
+        in_stream = False
+        while True:
+            xlog = stream.read(settings.timeout)
+            if xlog is None:
+                return
+            message = decode(xlog.payload, in_stream)
+            in_stream = _in_stream_after(message, in_stream)
+            yield xlog.data_start, message
+    finally:
+        stream.close()
+
+
+def _in_stream_after(message: ReplicationMessage, in_stream: bool) -> bool:
+    if isinstance(message, StreamStart):
+        return True
+    if isinstance(message, StreamStop):
+        return False
+    return in_stream
+
+
+# -- JSON -----------------------------------------------------------------------------------------
+
+def message_to_json(lsn: LSN, message: ReplicationMessage) -> dict[str, Any]:
+    """One message as the JSON object described in this module's docstring."""
+    obj: dict[str, Any] = {"lsn": str(lsn), "type": message.type_name}
+    obj.update(_object_fields(message))
+    return obj
+
+
+@cache
+def _properties(cls: type) -> tuple[str, ...]:
+    return tuple(name for name, attr in vars(cls).items() if isinstance(attr, property))
+
+
+def _object_fields(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, bytes):
+            # Only Message.content is raw bytes at this level: text when it is text, hex always.
+            try:
+                out[field.name] = value.decode("utf-8")
+            except UnicodeDecodeError:
+                out[field.name] = None
+            out[f"{field.name}_hex"] = value.hex()
+        else:
+            out[field.name] = _value(value)
+    for name in _properties(type(obj)):
+        out[name] = getattr(obj, name)
+    return out
+
+
+def _value(value: Any) -> Any:
+    if isinstance(value, LSN):
+        return str(value)
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, TupleData):
+        return [_column(kind, item) for kind, item in zip(value.kinds, value.values)]
+    if isinstance(value, RelationColumn):
+        return _object_fields(value)
+    if isinstance(value, tuple):
+        return [_value(item) for item in value]
+    return value
+
+
+def _column(kind: int, value: bytes | None | Unchanged) -> dict[str, Any]:
+    if not isinstance(value, bytes):
+        return {"kind": _KIND_NAMES[kind], "value": None}
+    if kind == ord("b"):
+        return {"kind": "b", "value": value.hex()}
+    return {"kind": "t", "value": value.decode("utf-8", errors="replace")}

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,9 +30,9 @@ import pytest
 
 from applier.cli import main as cli_main
 from applier.protocol import (
-    LSN, Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message, Origin, Prepare,
-    Relation, ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare,
-    StreamStart, StreamStop, Truncate, TupleData, Type, Update, decode,
+    LSN, Begin, BeginPrepare, Commit, CommitPrepared, Insert, Prepare, Relation,
+    ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare, StreamStart,
+    StreamStop, Truncate, TupleData, decode,
 )
 from applier.source import ReplicationStream, max_protocol_version, resolve_stream_options
 

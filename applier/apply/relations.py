@@ -77,6 +77,9 @@ _KEY_SQL = text("""
 
 def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
     """Read a target table's columns and unique key (SQLAlchemy connection, catalog queries)."""
+    # With an empty search_path format_type() schema-qualifies every type, as the apply session
+    # (which also runs with an empty search_path) needs.
+    conn.execute(text("SELECT pg_catalog.set_config('search_path', '', true)"))
     found = conn.execute(_TABLE_SQL, {"schema": schema, "name": name}).first()
     if found is None:
         raise MissingTargetTable(

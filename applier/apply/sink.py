@@ -175,8 +175,12 @@ class TargetApplier:
             statement = self._statements[key] = insert_statement(mapping, present)
         result = self._execute(statement, new, None, mapping)
         self.applied_counts["insert"] += 1
-        if statement.returns_inserted and result.ntuples and result.get_value(0, 0) == b"f":
+        if statement.conflict_key and _rowcount(result) == 0:
+            # The key exists already (redelivery, or a row written on the target): the source's
+            # row wins, as an update by that key.
             self._conflict(mapping, "insert_exists")
+            self._execute(self._update_statement(mapping, present, NEW, statement.conflict_key, True),
+                          new, None, mapping)
 
     def _update(self, msg: Update) -> None:
         mapping = self._mapping(msg.relation_id)
@@ -192,10 +196,8 @@ class TargetApplier:
         if not key_positions:
             raise self._error(f"update on {self._name(mapping)} carries no replica identity; give "
                               "the source table a primary key or REPLICA IDENTITY")
-        key = ("U", msg.relation_id, assigned, key_source, key_positions)
-        statement = self._statements.get(key)
-        if statement is None:
-            statement = self._statements[key] = update_statement(mapping, assigned, key_source, key_positions)
+        statement = self._update_statement(mapping, assigned, key_source, key_positions,
+                                           not mapping.full_identity)
         result = self._execute(statement, new, old, mapping)
         self.applied_counts["update"] += 1
         if _rowcount(result) == 0:
@@ -211,7 +213,8 @@ class TargetApplier:
         key = ("D", msg.relation_id, positions)
         statement = self._statements.get(key)
         if statement is None:
-            statement = self._statements[key] = delete_statement(mapping, positions)
+            statement = self._statements[key] = delete_statement(mapping, positions,
+                                                                 not mapping.full_identity)
         result = self._execute(statement, None, old, mapping)
         self.applied_counts["delete"] += 1
         if _rowcount(result) == 0:
@@ -224,6 +227,15 @@ class TargetApplier:
             self.applied_counts["truncate"] += 1
 
     # -- helpers --------------------------------------------------------------------------------
+    def _update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
+                          key_positions: tuple[int, ...], by_key: bool) -> Statement:
+        key = ("U", mapping.relation.relation_id, assigned, key_source, key_positions, by_key)
+        statement = self._statements.get(key)
+        if statement is None:
+            statement = self._statements[key] = update_statement(mapping, assigned, key_source,
+                                                                 key_positions, by_key)
+        return statement
+
     def _execute(self, statement: Statement, new: TupleData | None, old: TupleData | None,
                  mapping: RelationMapping):  # -> PGresult
         values: list[bytes | None] = []

@@ -25,11 +25,13 @@ class Statement:
     name: bytes                            # server-side prepared statement name
     sql: str
     params: tuple[tuple[int, int], ...]    # (NEW|OLD, source column position) per $n
-    returns_inserted: bool = False         # upsert: RETURNING tells insert (true) from update
+    # Inserts into a table with a unique key: source positions of that key. The insert does
+    # nothing on a conflict (0 rows) and the caller then updates the existing row by this key.
+    conflict_key: tuple[int, ...] = ()
 
 
-def _statement(sql: str, params: list[tuple[int, int]], returns_inserted: bool = False) -> Statement:
-    return Statement(f"applier_{next(_names)}".encode(), sql, tuple(params), returns_inserted)
+def _statement(sql: str, params: list[tuple[int, int]], conflict_key: tuple[int, ...] = ()) -> Statement:
+    return Statement(f"applier_{next(_names)}".encode(), sql, tuple(params), conflict_key)
 
 
 def _placeholder(mapping: RelationMapping, position: int, number: int) -> str:
@@ -37,7 +39,8 @@ def _placeholder(mapping: RelationMapping, position: int, number: int) -> str:
 
 
 def insert_statement(mapping: RelationMapping, present: tuple[int, ...]) -> Statement:
-    """INSERT of the columns present; an existing key turns it into an update (idempotent apply)."""
+    """INSERT of the columns present. With a unique key on the target it does nothing on a
+    conflict, so the caller can count the conflict and resolve it (update by key, by default)."""
     table = mapping.table
     names = [mapping.target_columns[i].name for i in present]
     values = ", ".join(_placeholder(mapping, i, n) for n, i in enumerate(present, 1))
@@ -45,21 +48,20 @@ def insert_statement(mapping: RelationMapping, present: tuple[int, ...]) -> Stat
            f"VALUES ({values})")
     params = [(NEW, i) for i in present]
     if table.unique_key and set(table.unique_key) <= set(names):
-        others = [name for name in names if name not in table.unique_key] or list(table.unique_key)
-        assignments = ", ".join(f"{quote_ident(n)} = EXCLUDED.{quote_ident(n)}" for n in others)
-        sql += (f" ON CONFLICT ({', '.join(map(quote_ident, table.unique_key))}) "
-                f"DO UPDATE SET {assignments} RETURNING (xmax = 0)")
-        return _statement(sql, params, returns_inserted=True)
+        key = tuple(present[names.index(name)] for name in table.unique_key)
+        sql += f" ON CONFLICT ({', '.join(map(quote_ident, table.unique_key))}) DO NOTHING"
+        return _statement(sql, params, conflict_key=key)
     return _statement(sql, params)
 
 
 def _row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...],
-                first_number: int) -> tuple[str, list[tuple[int, int]]]:
-    """WHERE clause locating one row. Key match uses '='; FULL identity matches every sent column
-    NULL-safely and picks one physical row, so duplicates lose exactly one copy, never all."""
+                first_number: int, by_key: bool) -> tuple[str, list[tuple[int, int]]]:
+    """WHERE clause locating one row. A key match uses '='; otherwise (FULL identity) every sent
+    column is matched NULL-safely and one physical row is picked, so of several identical rows
+    exactly one changes, never all."""
     table = mapping.table
     params = [(source, i) for i in positions]
-    if not mapping.full_identity:
+    if by_key:
         conditions = [f"{quote_ident(mapping.target_columns[i].name)} = {_placeholder(mapping, i, n)}"
                       for n, i in enumerate(positions, first_number)]
         return " AND ".join(conditions), params
@@ -79,17 +81,17 @@ def _row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...
 
 
 def update_statement(mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
-                     key_positions: tuple[int, ...]) -> Statement:
+                     key_positions: tuple[int, ...], by_key: bool) -> Statement:
     """UPDATE setting the columns sent (unchanged TOAST columns are left out, so kept)."""
     sets = ", ".join(f"{quote_ident(mapping.target_columns[i].name)} = {_placeholder(mapping, i, n)}"
                      for n, i in enumerate(assigned, 1))
-    where, key_params = _row_filter(mapping, key_source, key_positions, len(assigned) + 1)
+    where, key_params = _row_filter(mapping, key_source, key_positions, len(assigned) + 1, by_key)
     sql = f"UPDATE {mapping.table.sql_name} SET {sets} WHERE {where}"
     return _statement(sql, [(NEW, i) for i in assigned] + key_params)
 
 
-def delete_statement(mapping: RelationMapping, key_positions: tuple[int, ...]) -> Statement:
-    where, params = _row_filter(mapping, OLD, key_positions, 1)
+def delete_statement(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> Statement:
+    where, params = _row_filter(mapping, OLD, key_positions, 1, by_key)
     return _statement(f"DELETE FROM {mapping.table.sql_name} WHERE {where}", params)
 
 

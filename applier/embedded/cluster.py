@@ -1,0 +1,505 @@
+"""Throw-away local PostgreSQL clusters run from plain binaries (no Docker).
+
+Owns: the life cycle of one scratch cluster (initdb, settings, start on
+127.0.0.1 with a free port, readiness wait, stop/restart, removal of its
+directory), the standard source/target server settings, and the database-level
+helpers shared by every backend (create a database, drop one together with the
+replication slots, prepared transactions and subscriptions that pin it).
+
+Must never: touch a cluster it did not create, listen on anything but
+127.0.0.1, run the server as root (when root it switches to the unprivileged
+user from :func:`applier.embedded.binaries.server_user`), or depend on unix
+sockets. It knows nothing about the applier itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+from urllib.parse import quote
+
+import psycopg
+from psycopg import sql
+
+from .binaries import ServerUser, find_or_install_binaries, server_major_version, server_user
+
+__all__ = [
+    "ClusterError",
+    "Database",
+    "LocalCluster",
+    "PostgresServer",
+    "ServerSettings",
+    "StopMode",
+    "create_database",
+    "drop_database",
+]
+
+StopMode = Literal["smart", "fast", "immediate"]
+
+
+class ClusterError(RuntimeError):
+    """A local cluster failed to initialise, start or stop (message includes the log tail)."""
+
+
+# ------------------------------------------------------------------ settings
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """postgresql.conf settings; ``values`` maps parameter name to value."""
+
+    values: Mapping[str, str] = field(default_factory=dict)
+
+    @staticmethod
+    def source(**overrides: object) -> ServerSettings:
+        """Settings for a logical-replication source (streaming above 64kB)."""
+        base: dict[str, str] = {
+            "wal_level": "logical",
+            "max_wal_senders": "20",
+            "max_replication_slots": "20",
+            "max_prepared_transactions": "20",
+            "logical_decoding_work_mem": "64kB",
+            "track_commit_timestamp": "on",
+            "fsync": "off",
+            "full_page_writes": "off",
+            "max_connections": "100",
+            "shared_buffers": "64MB",
+        }
+        base.update({k: _conf_str(v) for k, v in overrides.items()})
+        return ServerSettings(base)
+
+    @staticmethod
+    def target(**overrides: object) -> ServerSettings:
+        """Settings for a target; identical to a source so it can be one too."""
+        return ServerSettings.source(**overrides)
+
+    def merged(self, other: Mapping[str, object]) -> ServerSettings:
+        return ServerSettings({**self.values, **{k: _conf_str(v) for k, v in other.items()}})
+
+    def as_dict(self) -> dict[str, str]:
+        return dict(self.values)
+
+    def as_command_args(self) -> list[str]:
+        """``["-c", "name=value", ...]`` for a ``postgres`` command line."""
+        out: list[str] = []
+        for name, value in self.values.items():
+            out += ["-c", f"{name}={value}"]
+        return out
+
+    def as_conf(self) -> str:
+        lines = [f"{_check_name(k)} = '{v.replace(chr(39), chr(39) * 2)}'"
+                 for k, v in self.values.items()]
+        return "\n".join(lines) + "\n"
+
+
+def _conf_str(value: object) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def _check_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
+        raise ValueError(f"invalid configuration parameter name {name!r}")
+    return name
+
+
+# --------------------------------------------------------- backend interface
+
+@runtime_checkable
+class PostgresServer(Protocol):
+    """What tests, ``applier demo`` and benchmarks need from a running server."""
+
+    name: str
+
+    @property
+    def version(self) -> int: ...
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def pgbench_path(self) -> Path: ...
+    @property
+    def psql_path(self) -> Path: ...
+    @property
+    def log_path(self) -> Path | None: ...
+
+    def dsn(self, dbname: str = "postgres") -> str: ...
+    def start(self) -> None: ...
+    def stop(self, mode: StopMode = "fast") -> None: ...
+    def restart(self) -> None: ...
+    def cleanup(self) -> None: ...
+    def create_database(self, name: str) -> Database: ...
+    def drop_database(self, name: str) -> None: ...
+
+
+@dataclass
+class Database:
+    """One database on a server, with small synchronous helpers for tests and tools."""
+
+    name: str
+    dsn: str
+    cluster: PostgresServer
+    version: int
+
+    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A psycopg 3 connection (autocommit unless ``autocommit=False`` is given)."""
+        kwargs.setdefault("autocommit", True)
+        return psycopg.connect(self.dsn, **kwargs)
+
+    def execute(self, query: str | sql.Composable, params: Sequence[Any] | Mapping[str, Any] | None = None) -> None:
+        with self.connect() as conn:
+            conn.execute(query, params)  # type: ignore[arg-type]
+
+    def query(self, query: str | sql.Composable, params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        with self.connect() as conn:
+            return conn.execute(query, params).fetchall()  # type: ignore[arg-type]
+
+
+# ------------------------------------------------- database-level operations
+
+def create_database(admin_dsn: str, name: str) -> None:
+    """``CREATE DATABASE name`` through the maintenance connection ``admin_dsn``."""
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+
+
+def drop_database(admin_dsn: str, dsn_for: Any, name: str, *, attempts: int = 5) -> None:
+    """Drop ``name`` and everything pinning it; a missing database is fine.
+
+    Order: terminate walsenders of the database's replication slots and drop
+    those slots, roll back its prepared transactions, drop its subscriptions,
+    then ``DROP DATABASE ... WITH (FORCE)`` (which terminates other backends).
+    ``dsn_for(dbname)`` builds a DSN for a database on the same server.
+    """
+    last: Exception | None = None
+    for attempt in range(attempts):
+        try:
+            with psycopg.connect(admin_dsn, autocommit=True) as conn:
+                exists = conn.execute(
+                    "SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+                if not exists:
+                    return
+                _drop_slots(conn, name)
+                gids = [r[0] for r in conn.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,))]
+                subs = [r[0] for r in conn.execute(
+                    "SELECT s.subname FROM pg_subscription s "
+                    "JOIN pg_database d ON d.oid = s.subdbid WHERE d.datname = %s", (name,))]
+                if gids or subs:
+                    _clear_db_objects(dsn_for(name), gids, subs)
+                    _drop_slots(conn, name)  # subscriptions may have created some
+                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+                             .format(sql.Identifier(name)))
+                return
+        except psycopg.Error as exc:
+            last = exc
+            time.sleep(0.2 * (attempt + 1))
+    raise ClusterError(f"could not drop database {name!r}: {last}") from last
+
+
+def _drop_slots(conn: psycopg.Connection[Any], dbname: str) -> None:
+    rows = conn.execute(
+        "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s",
+        (dbname,)).fetchall()
+    for slot_name, pid in rows:
+        if pid is not None:
+            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        for i in range(50):
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot_name,))
+                break
+            except psycopg.errors.UndefinedObject:
+                break
+            except psycopg.errors.ObjectInUse:
+                # the walsender is still exiting (or reconnected): terminate again
+                active = conn.execute(
+                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                    (slot_name,)).fetchone()
+                if active and active[0] is not None:
+                    conn.execute("SELECT pg_terminate_backend(%s, 5000)", (active[0],))
+                time.sleep(0.05 * min(i + 1, 10))
+        else:
+            raise ClusterError(f"replication slot {slot_name!r} stays active")
+
+
+def _clear_db_objects(dsn: str, gids: list[str], subs: list[str]) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for gid in gids:
+            try:
+                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+            except psycopg.errors.UndefinedObject:
+                pass
+        for sub in subs:
+            ident = sql.Identifier(sub)
+            conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(ident))
+            conn.execute(sql.SQL("ALTER SUBSCRIPTION {} SET (slot_name = NONE)").format(ident))
+            conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(ident))
+
+
+# --------------------------------------------------------------- the cluster
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_LIVE: weakref.WeakSet[LocalCluster] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for cluster in list(_LIVE):
+        try:
+            cluster.cleanup()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+class LocalCluster:
+    """A scratch cluster in ``/tmp/applier-pg-XXXX`` run by an unprivileged user.
+
+    Use :meth:`launch` (find binaries, initdb, start) or the context manager;
+    :meth:`cleanup` stops the server and removes its directory.
+    """
+
+    def __init__(
+        self,
+        bin_dir: Path,
+        settings: ServerSettings | Mapping[str, object] | None = None,
+        *,
+        name: str = "pg",
+        base_dir: Path | None = None,
+        start_timeout: float = 60.0,
+    ) -> None:
+        self.name = name
+        self.bin_dir = Path(bin_dir)
+        if settings is None:
+            settings = ServerSettings.source()
+        elif not isinstance(settings, ServerSettings):
+            settings = ServerSettings({k: _conf_str(v) for k, v in settings.items()})
+        self.settings: ServerSettings = settings
+        self.start_timeout = start_timeout
+        self.user: ServerUser = server_user()
+        self._version: int | None = None
+        self._port = 0
+        self._running = False
+        self._lock = threading.RLock()
+        self._own_base = base_dir is None
+        self.base_dir: Path = base_dir if base_dir is not None else Path(
+            tempfile.mkdtemp(prefix=f"applier-pg-{name}-", dir=_tmp_root()))
+        self.base_dir.mkdir(parents=True, exist_ok=True)
+        if not self.user.is_current:
+            os.chown(self.base_dir, self.user.uid, self.user.gid)
+        self.data_dir: Path = self.base_dir / "data"
+        _LIVE.add(self)
+
+    # ---- construction helpers
+    @classmethod
+    def launch(
+        cls,
+        major: int,
+        settings: ServerSettings | Mapping[str, object] | None = None,
+        *,
+        name: str = "pg",
+    ) -> LocalCluster:
+        """Find/install binaries for ``major``, initdb and start; returns a running cluster."""
+        cluster = cls(find_or_install_binaries(major), settings, name=name)
+        try:
+            cluster.init()
+            cluster.start()
+        except BaseException:
+            cluster.cleanup()
+            raise
+        return cluster
+
+    def __enter__(self) -> LocalCluster:
+        if not (self.data_dir / "PG_VERSION").exists():
+            self.init()
+        if not self._running:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def __repr__(self) -> str:
+        return (f"LocalCluster(name={self.name!r}, version={self._version}, "
+                f"port={self._port}, data_dir={str(self.data_dir)!r})")
+
+    # ---- properties
+    @property
+    def version(self) -> int:
+        if self._version is None:
+            self._version = server_major_version(self.bin_dir)
+        return self._version
+
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def pgbench_path(self) -> Path:
+        return self.bin_dir / "pgbench"
+
+    @property
+    def psql_path(self) -> Path:
+        return self.bin_dir / "psql"
+
+    @property
+    def log_path(self) -> Path:
+        return self.base_dir / "postgres.log"
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def dsn(self, dbname: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self._port}/{quote(dbname, safe='')}"
+
+    # ---- life cycle
+    def _run(self, args: list[str], *, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+        kwargs: dict[str, Any] = {}
+        if not self.user.is_current:
+            kwargs = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
+        env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
+        env.pop("PGDATA", None)
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=self.base_dir,
+                              env=env, timeout=timeout, **kwargs)
+        if check and proc.returncode != 0:
+            raise ClusterError(
+                f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}"
+                f"{self._log_tail()}")
+        return proc
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return f"\n--- {self.log_path} (tail) ---\n" + "\n".join(text)
+
+    def init(self) -> None:
+        """Run initdb and write the settings (``include``d from postgresql.conf)."""
+        with self._lock:
+            self._run([str(self.bin_dir / "initdb"), "-D", str(self.data_dir),
+                       "--auth=trust", "-U", "postgres", "--encoding=UTF8",
+                       "--locale=C", "--no-sync"], timeout=300)
+            with open(self.data_dir / "postgresql.conf", "a") as fh:
+                fh.write("\ninclude_if_exists = 'applier.conf'\n"
+                         "include_if_exists = 'applier_port.conf'\n")
+            self.write_settings(self.settings)
+
+    def write_settings(self, settings: ServerSettings) -> None:
+        """Replace the applier-managed settings (effective at next start/reload)."""
+        self.settings = settings
+        self._write_owned(self.data_dir / "applier.conf",
+                          "# managed by applier.embedded\n" + settings.as_conf())
+
+    def _write_owned(self, path: Path, text: str) -> None:
+        path.write_text(text)
+        if not self.user.is_current:
+            os.chown(path, self.user.uid, self.user.gid)
+
+    def start(self) -> None:
+        """Start on 127.0.0.1 (a free port, kept across restarts) and wait until ready."""
+        with self._lock:
+            if self._running:
+                return
+            for attempt in range(5):
+                if not self._port or attempt:
+                    self._port = _free_port()
+                self._write_owned(
+                    self.data_dir / "applier_port.conf",
+                    f"listen_addresses = '127.0.0.1'\nport = {self._port}\n"
+                    "unix_socket_directories = ''\n")
+                if not self.log_path.exists():
+                    self._write_owned(self.log_path, "")
+                proc = self._run(
+                    [str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-l",
+                     str(self.log_path), "-w", "-t", str(int(self.start_timeout)), "start"],
+                    check=False, timeout=self.start_timeout + 30)
+                if proc.returncode == 0:
+                    self._running = True
+                    self._wait_ready()
+                    return
+                if "could not bind" not in self._log_tail(10):
+                    break
+            raise ClusterError(f"{self.name}: pg_ctl start failed:\n{proc.stdout}"
+                               f"{proc.stderr}{self._log_tail()}")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                with psycopg.connect(self.dsn(), connect_timeout=5) as conn:
+                    conn.execute("SELECT 1")
+                return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"{self.name} not ready: {exc}{self._log_tail()}") from exc
+                time.sleep(0.05)
+
+    def stop(self, mode: StopMode = "fast") -> None:
+        """``pg_ctl stop -m mode``; a stopped cluster stays stopped."""
+        with self._lock:
+            if not (self.data_dir / "postmaster.pid").exists():
+                self._running = False
+                return
+            self._run([str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-m", mode,
+                       "-w", "-t", "120", "stop"], timeout=150)
+            self._running = False
+
+    def restart(self, mode: StopMode = "fast") -> None:
+        """Stop (``mode``) and start again on the same port."""
+        with self._lock:
+            self.stop(mode)
+            self.start()
+
+    def cleanup(self) -> None:
+        """Stop immediately (if running) and delete the cluster directory."""
+        with self._lock:
+            try:
+                if self.data_dir.exists():
+                    self.stop("immediate")
+            finally:
+                if self._own_base:
+                    shutil.rmtree(self.base_dir, ignore_errors=True)
+                _LIVE.discard(self)
+
+    # ---- databases
+    def create_database(self, name: str) -> Database:
+        create_database(self.dsn(), name)
+        return self.database(name)
+
+    def database(self, name: str) -> Database:
+        """Handle for an existing database (no server round trip)."""
+        return Database(name=name, dsn=self.dsn(name), cluster=self, version=self.version)
+
+    def drop_database(self, name: str) -> None:
+        drop_database(self.dsn(), self.dsn, name)
+
+
+def _tmp_root() -> str:
+    """Parent for cluster dirs; must be traversable by the server user (not /root)."""
+    root = os.environ.get("APPLIER_TMP_DIR") or tempfile.gettempdir()
+    if os.geteuid() == 0 and not (os.stat(root).st_mode & 0o001):
+        root = "/tmp"
+    return root

@@ -1,0 +1,87 @@
+"""Helpers shared by the worker's integration tests: publications, slots, running the worker,
+and row-by-row comparison of source and target."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def create_slot(source_db, slot: str = "s", two_phase: bool = False) -> None:
+    args = "%s, 'pgoutput', false, true" if two_phase else "%s, 'pgoutput'"
+    source_db.execute(f"SELECT pg_create_logical_replication_slot({args})", (slot,))
+
+
+def worker_command(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub") -> list[str]:
+    return [sys.executable, "-m", "applier", "run", "--source", source_db.dsn, "--target",
+            target_db.dsn, "--slot", slot, "--publication", publication, "--log-level", "INFO",
+            *extra]
+
+
+def run_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
+               expect_rc: int | None = 0, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``applier run --exit-when-caught-up`` to completion."""
+    proc = subprocess.run(worker_command(source_db, target_db, "--exit-when-caught-up", *extra,
+                                         slot=slot, publication=publication),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def start_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
+                 log_path: Path | None = None) -> subprocess.Popen:
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    return subprocess.Popen(worker_command(source_db, target_db, *extra, slot=slot,
+                                           publication=publication),
+                            stdout=out, stderr=out, cwd=REPO)
+
+
+def stop_worker(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    return proc.wait(timeout=timeout)
+
+
+def rows(db, table: str, columns: Sequence[str] | None = None) -> list[tuple]:
+    """All rows as text, sorted: the comparison is by value, not by physical order."""
+    cols = ", ".join(f"{c}::text" for c in columns) if columns else f"{table}::text"
+    return sorted(db.query(f"SELECT {cols} FROM {table}"), key=repr)
+
+
+def source_columns(db, table: str) -> list[str]:
+    """Quoted column names of a source table, in order (so target extra columns are ignored)."""
+    found = db.query("SELECT quote_ident(attname) FROM pg_attribute WHERE attrelid = %s::regclass "
+                     "AND attnum > 0 AND NOT attisdropped ORDER BY attnum", (table,))
+    return [row[0] for row in found]
+
+
+def assert_same_rows(source_db, target_db, *tables: str) -> None:
+    for table in tables:
+        columns = source_columns(source_db, table)
+        expected = rows(source_db, table, columns)
+        actual = rows(target_db, table, columns)
+        missing = [r for r in expected if r not in actual][:5]
+        extra = [r for r in actual if r not in expected][:5]
+        assert expected == actual, (f"{table}: {len(expected)} source rows, {len(actual)} target "
+                                    f"rows; missing e.g. {missing}; extra e.g. {extra}")
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def worker_env() -> dict[str, str]:
+    return dict(os.environ)

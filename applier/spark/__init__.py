@@ -1,0 +1,13 @@
+"""Reading the replica with Apache Spark (PySpark over JDBC): consistent partitioned reads.
+
+Owns: the quiet SparkSession factory (:mod:`.session`), consistent snapshot reads of replicated
+tables with lossless type handling and the source position they reflect (:mod:`.reader`), and
+the example pipeline job (:mod:`.pipeline`). Must never write to the replica, and must never be
+imported by the applier's data path; PySpark is imported only when a function here is called.
+"""
+
+from __future__ import annotations
+
+from .session import JDBC_DRIVER, SparkUnavailable, find_jdbc_jar, spark_session
+
+__all__ = ["JDBC_DRIVER", "SparkUnavailable", "find_jdbc_jar", "spark_session"]

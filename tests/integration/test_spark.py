@@ -1,0 +1,235 @@
+"""Spark reads of the replica: partitioned reads, one snapshot for all partitions, the source
+position, and every type Spark's PostgreSQL dialect gets wrong (local Spark, real PostgreSQL).
+
+One SparkSession for the whole test session; one PostgreSQL version (the newest configured) to
+keep the Spark suite to a minute or two.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from decimal import Decimal
+
+import pytest
+
+pyspark = pytest.importorskip("pyspark")
+
+from applier.progress import make_engine, upgrade_schema  # noqa: E402
+from applier.spark import spark_session  # noqa: E402
+from applier.spark.reader import open_snapshot, read_table, read_tables, source_position  # noqa: E402
+
+SPARK_PG = max(int(v) for v in re.split(r"[,\s]+", os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18").strip()) if v)
+
+pytestmark = [pytest.mark.server, pytest.mark.spark,
+              pytest.mark.parametrize("pg_pair", [SPARK_PG], indirect=True, ids=[f"pg{SPARK_PG}"])]
+
+
+@pytest.fixture(scope="session")
+def spark():
+    session = spark_session("local[2]", app_name="applier-tests")
+    yield session
+    session.stop()
+
+
+def _record_position(db, slot: str = "s", lsn: str = "0/16B3748") -> None:
+    upgrade_schema(make_engine(db.dsn))
+    db.execute("INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time) "
+               "VALUES (%s, %s, %s::pg_lsn + 40, '2026-01-02 03:04:05.123456+00')", (slot, lsn, lsn))
+
+
+def test_partitioned_read_equals_sql_read(spark, target_db) -> None:
+    target_db.execute("""
+        CREATE TABLE orders (id bigint PRIMARY KEY, customer int, total numeric(12,2), note text,
+                             tags text[], placed timestamptz, day date, doc jsonb, raw bytea);
+        INSERT INTO orders SELECT g, g % 97, g * 1.25, CASE WHEN g % 5 = 0 THEN NULL ELSE 'n' || g END,
+               ARRAY['t' || g % 3, 'x'], '2024-01-01 00:00+00'::timestamptz + g * interval '1 minute',
+               '2024-01-01'::date + g % 400, jsonb_build_object('g', g), decode(md5(g::text), 'hex')
+        FROM generate_series(1, 5000) g;
+        CREATE TABLE words (w text PRIMARY KEY, n int);
+        INSERT INTO words SELECT md5(g::text), g FROM generate_series(1, 1000) g;
+    """)
+    with open_snapshot(target_db.dsn) as snap:
+        frames = read_tables(spark, ["orders", "public.words"], snap, num_partitions=3)
+        orders, words = frames["orders"], frames["public.words"]
+        assert orders.rdd.getNumPartitions() == 3
+        assert words.rdd.getNumPartitions() == 3  # text key: split at quantiles
+        spark_rows = sorted(tuple(r) for r in orders.collect())
+        word_rows = sorted(tuple(r) for r in words.collect())
+    sql_rows = sorted(target_db.query("SELECT * FROM orders"))
+    assert len(spark_rows) == 5000
+    for got, want in zip(spark_rows, sql_rows):
+        assert got[:4] == want[:4] and got[4] == want[4] and got[6] == want[6]
+        assert got[5].timestamp() == want[5].timestamp()  # the same instant
+        assert got[7] == '{"g": %d}' % want[0] and bytes(got[8]) == bytes(want[8])
+    assert word_rows == sorted(target_db.query("SELECT w, n FROM words"))
+    assert [f.dataType.simpleString() for f in orders.schema.fields] == [
+        "bigint", "int", "decimal(12,2)", "string", "array<string>", "timestamp", "date", "string",
+        "binary"]
+
+
+def test_given_bounds_and_empty_table(spark, target_db) -> None:
+    target_db.execute("CREATE TABLE t (id int PRIMARY KEY, v text); CREATE TABLE empty (id int PRIMARY KEY);"
+                      "INSERT INTO t SELECT g, 'v' FROM generate_series(-50, 150) g")
+    with open_snapshot(target_db.dsn) as snap:
+        # Bounds narrower than the data: the outer partitions still take every row.
+        narrow = read_table(spark, "t", snap, bounds=(0, 100), num_partitions=4)
+        assert narrow.rdd.getNumPartitions() == 4 and narrow.count() == 201
+        assert read_table(spark, "empty", snap).count() == 0
+
+
+def test_one_snapshot_for_all_partitions_under_concurrent_writes(spark, target_db) -> None:
+    target_db.execute("CREATE TABLE acct (id int PRIMARY KEY, balance bigint NOT NULL);"
+                      "INSERT INTO acct SELECT g, 100 FROM generate_series(1, 40000) g")
+    stop = threading.Event()
+    writes = [0]
+
+    def writer() -> None:
+        # Transfers keep the total constant; inserts and deletes hit every partition's range.
+        with target_db.connect(autocommit=True) as conn:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                a, b = (n * 7919) % 40000 + 1, (n * 104729) % 40000 + 1
+                with conn.transaction():
+                    conn.execute("UPDATE acct SET balance = balance - 1 WHERE id = %s", (a,))
+                    conn.execute("UPDATE acct SET balance = balance + 1 WHERE id = %s", (b,))
+                conn.execute("DELETE FROM acct WHERE id = %s", ((n * 31) % 40000 + 1,))
+                conn.execute("INSERT INTO acct VALUES (%s, 5) ON CONFLICT DO NOTHING", (40000 + n,))
+                writes[0] += 1
+
+    with open_snapshot(target_db.dsn) as snap:
+        frame = read_table(spark, "acct", snap, num_partitions=4)
+        thread = threading.Thread(target=writer)
+        thread.start()
+        try:
+            time.sleep(0.5)  # writes are committed before any partition starts ...
+            first = frame.agg({"balance": "sum", "id": "count"}).collect()[0]
+            second = frame.agg({"balance": "sum", "id": "max"}).collect()[0]  # ... and during it
+        finally:
+            stop.set()
+            thread.join()
+    assert writes[0] > 20
+    assert (first["sum(balance)"], first["count(id)"]) == (4_000_000, 40000)
+    assert (second["sum(balance)"], second["max(id)"]) == (4_000_000, 40000)
+    assert target_db.query("SELECT max(id) > 40000 FROM acct")[0][0]  # the writes did land
+    # After the snapshot closed, a re-read fails loudly instead of reading another state.
+    with pytest.raises(Exception, match="snapshot"):
+        frame.count()
+
+
+def test_source_position_metadata_and_columns(spark, target_db) -> None:
+    target_db.execute("CREATE TABLE t (id int PRIMARY KEY); INSERT INTO t VALUES (1), (2)")
+    _record_position(target_db)
+    with open_snapshot(target_db.dsn) as snap:
+        frame = read_table(spark, "t", snap, position_columns=True)
+        # Progress moving on after the export is not what this read reflects.
+        target_db.execute("UPDATE applier.progress SET commit_lsn = '1/0', end_lsn = '1/0'")
+        rows = frame.collect()
+        derived = frame.select("id").where("id > 1")
+    position = source_position(derived)
+    assert position is not None and position.snapshot == snap.snapshot_id
+    (slot,) = position.positions
+    assert (slot.slot_name, slot.commit_lsn, slot.end_lsn) == ("s", "0/16B3748", "0/16B3770")
+    assert slot.commit_time == "2026-01-02T03:04:05.123456Z"
+    assert {r["_applier_commit_lsn"] for r in rows} == {"0/16B3748"}
+    # Several slots feeding one target: all rows by default, one when asked.
+    target_db.execute("INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn) VALUES ('b', '0/5', '0/6')")
+    with open_snapshot(target_db.dsn) as snap:
+        assert [p.slot_name for p in snap.position.positions] == ["b", "s"]
+        with pytest.raises(ValueError, match="exactly one"):
+            read_table(spark, "t", snap, position_columns=True)
+    with open_snapshot(target_db.dsn, slot="b") as snap:
+        assert read_table(spark, "t", snap, position_columns=True).first()["_applier_commit_lsn"] == "0/5"
+    with pytest.raises(LookupError, match="no applier.progress row"):
+        open_snapshot(target_db.dsn, slot="nope")
+
+
+TRICKY = """
+CREATE TYPE mood AS ENUM ('sad', 'happy');
+CREATE TABLE tricky (id int PRIMARY KEY, n numeric, n40 numeric(40,2), n10 numeric(10,2),
+                     m int[], na numeric[], ts timestamp, tz timestamptz, d date, tm time, tt timetz,
+                     b bit(3), mo money, e mood, iv interval, r int4range, f8 float8);
+INSERT INTO tricky VALUES
+ (1, 123456789012345678901234567890.123456789012345678901, 12345678901234567890123456789012345678.25,
+  1.50, '{1,2,3}', '{1.123456789012345678901}', '2024-02-29 12:00:00.5', '2024-02-29 12:00+05',
+  '2024-02-29', '12:34:56.789', '12:00+02', '101', 12.5, 'happy', '1 day 02:03:04', '[1,5)', 'NaN'),
+ (2, 'NaN', -1.99, 2.25, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'Infinity'),
+ (3, 'Infinity', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, '-Infinity'),
+ (4, 0.000000000000000000000000001, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, '-0');
+"""
+
+
+def _pg_text(db, column: str) -> dict[int, str | None]:
+    return dict(db.query(f"SELECT id, {column}::text FROM tricky"))
+
+
+def test_tricky_types_round_trip_as_text_or_exact(spark, target_db) -> None:
+    target_db.execute(TRICKY)
+    with open_snapshot(target_db.dsn) as snap:
+        frame = read_table(spark, "tricky", snap)
+        rows = {r["id"]: r for r in frame.collect()}
+    types = {f.name: f.dataType.simpleString() for f in frame.schema.fields}
+    assert types == {"id": "int", "n": "string", "n40": "string", "n10": "decimal(10,2)",
+                     "m": "array<int>", "na": "string", "ts": "timestamp_ntz", "tz": "timestamp",
+                     "d": "date", "tm": "string", "tt": "string", "b": "string", "mo": "string",
+                     "e": "string", "iv": "string", "r": "string", "f8": "double"}
+    for column in ("n", "n40", "tm", "tt", "b", "mo", "e", "iv", "r"):
+        assert {i: r[column] for i, r in rows.items()} == _pg_text(target_db, column), column
+    assert rows[1]["n10"] == Decimal("1.50") and rows[1]["m"] == [1, 2, 3]
+    assert rows[1]["na"] == "[1.123456789012345678901]"  # JSON text: no rounding to 18 places
+    assert str(rows[1]["ts"]) == "2024-02-29 12:00:00.500000"  # no time zone shift
+    assert rows[1]["tz"].timestamp() == target_db.query("SELECT extract(epoch FROM tz) FROM tricky WHERE id = 1")[0][0]
+    f8 = [rows[i]["f8"] for i in (1, 2, 3, 4)]
+    assert f8[0] != f8[0] and f8[1:3] == [float("inf"), float("-inf")] and str(f8[3]) == "-0.0"
+
+
+def test_tricky_types_probe_picks_decimals(spark, target_db) -> None:
+    target_db.execute("CREATE TABLE p (id int PRIMARY KEY, small numeric, wide numeric(50,4), special numeric, "
+                      "n10 numeric(10,2));"
+                      "INSERT INTO p VALUES (1, 12345.678901234567890123, 123456789.1234, 1, 1.25), "
+                      "(2, -0.5, NULL, 'NaN', 'NaN'), (3, 0, -1, 'Infinity', NULL)")
+    with open_snapshot(target_db.dsn) as snap:
+        frame = read_table(spark, "p", snap, probe=True)
+        rows = {r["id"]: r for r in frame.collect()}
+    types = {f.name: f.dataType.simpleString() for f in frame.schema.fields}
+    assert types == {"id": "int", "small": "decimal(23,18)", "wide": "decimal(13,4)",
+                     "special": "string", "n10": "string"}
+    assert rows[1]["small"] == Decimal("12345.678901234567890123")
+    assert rows[2]["special"] == "NaN" and rows[3]["special"] == "Infinity" and rows[2]["n10"] == "NaN"
+
+
+@pytest.mark.parametrize("value, column_type, what", [
+    ("'infinity'", "timestamptz", "infinity"),
+    ("'-infinity'", "timestamp", "infinity"),
+    ("'infinity'", "date", "infinity"),
+    ("'1582-10-10'", "date", "before 1582-10-15"),  # would read ten days late
+    ("'{{1,2},{3,4}}'", "int[]", "multi-dimensional"),
+])
+def test_unrepresentable_values_fail_loudly_or_read_as_text(spark, target_db, value, column_type, what) -> None:
+    target_db.execute(f"CREATE TABLE x (id int PRIMARY KEY, v {column_type}); "
+                      f"INSERT INTO x VALUES (1, NULL), (2, {value})")
+    expected = target_db.query("SELECT v::text, to_json(v)::text FROM x WHERE id = 2")[0]
+    with open_snapshot(target_db.dsn) as snap:
+        with pytest.raises(Exception, match=f"column v holds .*{re.escape(what.split()[0])}"):
+            read_table(spark, "x", snap).collect()
+        probed = {r["id"]: r["v"] for r in read_table(spark, "x", snap, probe=True).collect()}
+        as_text = {r["id"]: r["v"] for r in read_table(spark, "x", snap, text_columns=["v"]).collect()}
+    assert probed[2] == (expected[1] if column_type == "int[]" else expected[0]) and probed[1] is None
+    assert as_text == {1: None, 2: expected[0]}
+
+
+def test_numeric_nan_in_constrained_column_fails_loudly(spark, target_db) -> None:
+    target_db.execute("CREATE TABLE x (id int PRIMARY KEY, v numeric(10,2)); INSERT INTO x VALUES (1, 'NaN')")
+    with open_snapshot(target_db.dsn) as snap, pytest.raises(Exception, match="NaN"):
+        read_table(spark, "x", snap).collect()
+
+
+def test_missing_table_and_bad_fetchsize(spark, target_db) -> None:
+    with open_snapshot(target_db.dsn) as snap:
+        with pytest.raises(LookupError, match="does not exist"):
+            read_table(spark, "nope", snap)
+        with pytest.raises(ValueError, match="fetchsize"):
+            read_table(spark, "pg_class", snap, fetchsize=0)

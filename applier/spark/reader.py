@@ -67,7 +67,7 @@ from .session import JDBC_DRIVER
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["ReadPosition", "SlotPosition", "Snapshot", "TableInfo", "jdbc_options", "open_snapshot",
+__all__ = ["ReadPosition", "SlotPosition", "Snapshot", "TableInfo", "jdbc_options", "open_snapshot", "quote_ident",
            "read_table", "read_tables", "source_position"]
 
 #: Rows per round trip: large enough to keep the network busy, small enough that a partition
@@ -126,7 +126,7 @@ class Column:
 
     @property
     def quoted(self) -> str:
-        return _ident(self.name)
+        return quote_ident(self.name)
 
     @property
     def numeric_precision(self) -> int | None:
@@ -144,7 +144,7 @@ class TableInfo:
 
     @property
     def qualified(self) -> str:
-        return f"{_ident(self.schema)}.{_ident(self.name)}"
+        return f"{quote_ident(self.schema)}.{quote_ident(self.name)}"
 
     @property
     def display(self) -> str:
@@ -157,7 +157,8 @@ class TableInfo:
         raise KeyError(f"{self.display} has no column {name!r}")
 
 
-def _ident(name: str) -> str:
+def quote_ident(name: str) -> str:
+    """``name`` as a PostgreSQL identifier, always quoted (so case and odd characters survive)."""
     return '"' + name.replace('"', '""') + '"'
 
 
@@ -441,7 +442,7 @@ def read_table(spark: SparkSession, table: str, snapshot: Snapshot, *,
     probed = _probe(snapshot, info, [c for c in chosen if c.name not in as_text]) if probe else None
     expressions = {c.name: select_expression(c, c.name in as_text, probed) for c in chosen}
     filter_sql = f" WHERE {where}" if where else ""
-    subquery = (f"(SELECT {', '.join(f'{expr} AS {_ident(name)}' for name, expr in expressions.items())} "
+    subquery = (f"(SELECT {', '.join(f'{expr} AS {quote_ident(name)}' for name, expr in expressions.items())} "
                 f"FROM {info.qualified}{filter_sql}) applier_read")
 
     predicates = None

@@ -441,20 +441,21 @@ def read_table(spark: SparkSession, table: str, snapshot: Snapshot, *,
     as_text = {c.name for c in chosen} if text_columns == "*" else set(text_columns)
     probed = _probe(snapshot, info, [c for c in chosen if c.name not in as_text]) if probe else None
     expressions = {c.name: select_expression(c, c.name in as_text, probed) for c in chosen}
-    filter_sql = f" WHERE {where}" if where else ""
-    subquery = (f"(SELECT {', '.join(f'{expr} AS {quote_ident(name)}' for name, expr in expressions.items())} "
-                f"FROM {info.qualified}{filter_sql}) applier_read")
-
     predicates = None
+    hidden: list[str] = []
     split_name = partition_column or (info.key[0] if info.key else None)
     if split_name is not None:
         split = info.column(split_name)
-        if split_name not in expressions:
-            raise ValueError(f"partition column {split_name!r} must be among the columns read")
+        if split_name not in expressions:  # read it for the predicates, drop it afterwards
+            expressions[split_name] = split.quoted
+            hidden.append(split_name)
         # Predicates apply to the subquery's output, so they must compare the unconverted value.
         if expressions[split_name] == split.quoted:
             count = num_partitions or spark.sparkContext.defaultParallelism
             predicates = _partitions(snapshot, info, split, where, bounds, count)
+    filter_sql = f" WHERE {where}" if where else ""
+    subquery = (f"(SELECT {', '.join(f'{expr} AS {quote_ident(name)}' for name, expr in expressions.items())} "
+                f"FROM {info.qualified}{filter_sql}) applier_read")
 
     url, properties = jdbc_options(snapshot.dsn)
     properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
@@ -464,14 +465,16 @@ def read_table(spark: SparkSession, table: str, snapshot: Snapshot, *,
     else:
         frame = spark.read.format("jdbc").option("url", url).option("dbtable", subquery) \
             .options(**properties).load()
-    return _with_position(frame, snapshot.position, position_columns)
+    return _with_position(frame, snapshot.position, position_columns, hidden)
 
 
-def _with_position(frame: DataFrame, position: ReadPosition, add_columns: bool) -> DataFrame:
+def _with_position(frame: DataFrame, position: ReadPosition, add_columns: bool,
+                   hidden: Sequence[str]) -> DataFrame:
     from pyspark.sql import functions as F
 
     metadata = {METADATA_KEY: position.to_json()}
-    projected = [F.col(_backquote(name)).alias(name, metadata=metadata) for name in frame.columns]
+    projected = [F.col(_backquote(name)).alias(name, metadata=metadata) for name in frame.columns
+                 if name not in hidden]
     if add_columns:
         if len(position.positions) != 1:
             raise ValueError(f"position_columns needs exactly one applier.progress row; the snapshot "

@@ -7,6 +7,7 @@ Every option comes from ``config.OPTIONS`` so that the command line, the environ
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -22,7 +23,18 @@ log = logging.getLogger("applier")
 COMMANDS: dict[str, str] = {
     "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
+    "verify": "Compare source and replica table by table: counts, per-range hashes, then exactly "
+              "which keys differ.",
+    "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
+                "Parquet, tagged with the source LSN.",
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
+}
+
+#: Commands with their own argument parsing: module, argument-adding function, runner.
+_STANDALONE: dict[str, tuple[str, str, str]] = {
+    "verify": ("applier.verify", "add_arguments", "run_verify"),
+    "pipeline": ("applier.spark.pipeline", "add_arguments", "run_pipeline"),
+    "demo": ("applier.demo", "add_arguments", "run_demo"),
 }
 
 _EPILOG = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
@@ -63,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, summary in COMMANDS.items():
         sub = commands.add_parser(name, help=summary, description=summary, epilog=_EPILOG)
-        if name == "demo":
-            from .demo import add_arguments
-            add_arguments(sub)
+        if name in _STANDALONE:
+            module, add_arguments, _ = _STANDALONE[name]
+            getattr(importlib.import_module(module), add_arguments)(sub)
             continue
         _add_options(sub, name)
     return parser
@@ -84,10 +96,10 @@ def _runner(command: str) -> Callable[[Settings], int]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        logging.basicConfig(level=logging.WARNING)
-        from .demo import run_demo
-        return run_demo(args)
+    if args.command in _STANDALONE:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        module, _, runner = _STANDALONE[args.command]
+        return int(getattr(importlib.import_module(module), runner)(args))
     cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         settings = load_settings(args.command, cli_values, args.config)

@@ -1,12 +1,14 @@
 """Decoder throughput benchmark: our C path, our pure-Python path, and pypgoutput, side by side.
 
-Owns nothing the product uses; it only measures. It builds a corpus of realistic pgoutput
-messages with the tests' encoder (byte for byte what PostgreSQL sends), decodes each workload
-single-threaded with every implementation in the same run, and prints messages/s and MB/s.
-pypgoutput (``pip install .[bench]``) is optional and only decodes what it supports: protocol 1
-inserts and updates.
+Owns nothing the product uses; it only measures. It starts a throwaway PostgreSQL server
+(``applier.embedded``), writes the workloads, captures the messages the server really sends with
+``pg_logical_slot_peek_binary_changes`` (5-column inserts, key-changing updates that carry the old
+key, and one large transaction streamed in progress), then decodes each workload single-threaded
+with every implementation in the same run and prints messages/s and MB/s. pypgoutput
+(``pip install .[bench]``) is optional and only decodes what it supports: protocol 1 inserts and
+updates.
 
-    .venv/bin/python bench/decoder.py [--messages N] [--repeat R]
+    .venv/bin/python bench/decoder.py [--messages N] [--repeat R] [--pg-version 15|18]
 """
 
 from __future__ import annotations
@@ -19,20 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "unit"))  # the shared test-side encoder
 sys.path.insert(0, str(ROOT))
 
-import pgoutput_builder as pg  # noqa: E402
-
+from applier.embedded import ServerSettings, start_server  # noqa: E402
 from applier.protocol.decoder import ACCELERATED, decode, decode_pure  # noqa: E402
 
 try:
     import pypgoutput
 except ImportError:
     pypgoutput = None
-
-RELATION_ID = 16_385  # a typical user-table OID
-T0 = 767_356_496_123_456  # 2024-04-25 10:34:56.123456 UTC in wire microseconds
 
 
 @dataclass(frozen=True)
@@ -43,29 +40,35 @@ class Workload:
     pypgoutput_class: str | None  # the pypgoutput decoder class for it, if it supports it
 
 
-def row(i: int) -> list[pg.Column]:
-    """5 columns in text format: int, text, timestamptz, numeric, bool (as the server sends)."""
-    micros = T0 + i * 1_337
-    seconds, frac = divmod(micros, 1_000_000)
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(946_684_800 + seconds))
-    return [
-        str(1_000_000 + i).encode(),
-        f"customer {i} ordered {i % 97} items".encode(),
-        f"{stamp}.{frac:06d}+00".encode(),
-        f"{(i * 7919) % 1_000_000 / 100:.2f}".encode(),
-        b"t" if i % 3 else b"f",
-    ]
+_PEEK = ("SELECT data FROM pg_logical_slot_peek_binary_changes('bench', NULL, NULL, "
+         "'proto_version', %s, 'publication_names', 'bench', 'streaming', %s)")
 
 
-def build_workloads(count: int) -> list[Workload]:
-    inserts = [pg.insert(RELATION_ID, row(i)) for i in range(count)]
-    # UPDATE ... SET id = id + 1: the key changed, so the server sends the old key (K part).
-    updates = [pg.update(RELATION_ID, row(i + 1), old=[str(1_000_000 + i).encode()] + [None] * 4)
-               for i in range(count)]
-    xid = 74_211
-    streamed = [pg.stream_start(xid, True)]
-    streamed += [pg.insert(RELATION_ID, row(i), xid=xid) for i in range(count)]
-    streamed.append(pg.stream_stop())
+def capture_workloads(count: int, major: int) -> list[Workload]:
+    """Write the workloads on a scratch server and capture what its walsender code emits."""
+    server = start_server(major, ServerSettings.source(), name="bench-decoder")
+    try:
+        db = server.create_database("bench")
+        db.execute("CREATE TABLE orders (id int PRIMARY KEY, note text, placed timestamptz, "
+                   "amount numeric(12, 2), paid bool)")
+        db.execute("CREATE PUBLICATION bench FOR TABLE orders")
+        db.execute("SELECT pg_create_logical_replication_slot('bench', 'pgoutput')")
+        db.execute("INSERT INTO orders SELECT g, 'customer ' || g || ' ordered ' || g %% 97 || ' items', "
+                   "timestamptz '2024-04-25 10:34:56.123456+00' + g * interval '1.337 ms', "
+                   "(g * 7919) %% 1000000 / 100.0, g %% 3 <> 0 FROM generate_series(1, %s) g", (count,))
+        db.execute("UPDATE orders SET id = id + 10000000")  # a key change: the old key is sent (K)
+        with db.connect() as conn:
+            # Whole transactions at commit (protocol 1, as pypgoutput reads them) ...
+            conn.execute("SET logical_decoding_work_mem = '1GB'")
+            whole = [bytes(row[0]) for row in conn.execute(_PEEK, ("1", "off"))]
+            # ... and the same insert transaction streamed in progress (protocol 2).
+            conn.execute("SET logical_decoding_work_mem = '64kB'")
+            streamed_all = [bytes(row[0]) for row in conn.execute(_PEEK, ("2", "on"))]
+    finally:
+        server.cleanup()
+    inserts = [m for m in whole if m[:1] == b"I"]
+    updates = [m for m in whole if m[:1] == b"U"]
+    streamed = [m for m in streamed_all if m[:1] in (b"S", b"E", b"I")]
     return [
         Workload("insert", inserts, False, "Insert"),
         Workload("update (old key)", updates, False, "Update"),
@@ -101,10 +104,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--messages", type=int, default=200_000, help="messages per workload")
     parser.add_argument("--repeat", type=int, default=3, help="passes per measurement (best kept)")
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of the server the messages are captured from")
     args = parser.parse_args(argv)
 
-    print(f"building {args.messages:,} messages per workload ...", flush=True)
-    workloads = build_workloads(args.messages)
+    print(f"capturing {args.messages:,} rows of each workload from PostgreSQL {args.pg_version} ...",
+          flush=True)
+    workloads = capture_workloads(args.messages, args.pg_version)
     impls: list[tuple[str, Callable[[Workload], Callable[[], None] | None]]] = [
         ("applier C" if ACCELERATED else "applier C (not built)",
          (lambda w: ours(decode, w.messages, w.in_stream)) if ACCELERATED else (lambda w: None)),

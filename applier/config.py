@@ -128,6 +128,17 @@ OPTIONS: tuple[Option, ...] = (
            "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget. Default: a directory per slot under the system temp directory.", kind="path"),
+    Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
+           "per target transaction before it commits; also the most rows held in memory.",
+           kind="int", default=20000),
+    Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits.",
+           kind="size", default=32 * 1024**2),
+    Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
+           "source transactions (it also commits whenever the stream is idle).", kind="int",
+           default=500),
+    Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "
+           "slot is only told positions whose target commits the target has flushed to disk.",
+           kind="choice", choices=("on", "off"), default="off"),
     Option("exit_when_caught_up", "Exit 0 once everything the source committed before start-up "
            "is applied and confirmed, instead of running until SIGTERM/SIGINT.", kind="bool",
            default=False),
@@ -240,6 +251,9 @@ def _validate(settings: Settings) -> None:
     interval = values.get("status_interval")
     if interval is not None and not 1 <= interval <= 10:
         raise ConfigError("status_interval must be between 1 and 10 seconds")
+    for name in ("batch_rows", "batch_time"):
+        if values.get(name) is not None and values[name] < 1:
+            raise ConfigError(f"{name} must be at least 1")
     budget = values.get("memory_budget")
     if budget is not None and budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")

@@ -32,7 +32,7 @@ class TargetError(Exception):
 
 
 class TargetSession:
-    def __init__(self, dsn: str, application_name: str) -> None:
+    def __init__(self, dsn: str, application_name: str, synchronous_commit: str = "on") -> None:
         try:
             self.conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
         except psycopg.OperationalError as exc:
@@ -42,7 +42,8 @@ class TargetSession:
         self._prepared: set[bytes] = set()
         for setting in ("SET session_replication_role = replica",
                         "SELECT pg_catalog.set_config('search_path', '', false)",
-                        "SET datestyle = ISO", "SET intervalstyle = postgres"):
+                        "SET datestyle = ISO", "SET intervalstyle = postgres",
+                        f"SET synchronous_commit = {'off' if synchronous_commit == 'off' else 'on'}"):
             self.sql(setting)
         self.server_encoding = self.conn.info.parameter_status("server_encoding") or "UTF8"
         self.backend_pid = self.pgconn.backend_pid
@@ -78,6 +79,10 @@ class TargetSession:
             self._prepared.add(statement.name)
         return self._check(self.pgconn.exec_prepared(statement.name, values, formats),
                            statement.sql)
+
+    def flushed_wal_lsn(self) -> str:
+        """The target's WAL position known durable on disk (for synchronous_commit = off)."""
+        return self.sql("SELECT pg_catalog.pg_current_wal_flush_lsn()").get_value(0, 0).decode()
 
     @property
     def in_transaction(self) -> bool:

@@ -157,13 +157,15 @@ class ReplicationStream:
             self._maybe_send_status()
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                wait = min(remaining, self.status_interval)
-                readable, _, _ = select.select([pgconn.socket], [], [], wait)
+                # Nothing complete in libpq's buffer: look at the socket (even with no time left,
+                # what has already arrived must be read in, or a zero timeout would spin).
+                remaining = max(deadline - time.monotonic(), 0.0)
+                readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
                 if readable:
                     pgconn.consume_input()
+                    continue
+                if remaining <= 0:
+                    return None
                 continue
             if nbytes < 0:
                 self._raise_stream_end()

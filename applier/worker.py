@@ -315,6 +315,6 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError) as exc:
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError) as exc:
         log.error("%s", exc)
         return 1

@@ -38,7 +38,8 @@ def config_reference() -> str:
              "|---|---|---|---|---|"]
     for option in OPTIONS:
         values = f" (`{'`, `'.join(option.choices)}`)" if option.choices else ""
-        lines.append(f"| `{option.flag}` / `{option.name}` | `{option.env}` | "
+        flag = f"--[no-]{option.flag[2:]}" if option.kind == "bool" else option.flag
+        lines.append(f"| `{flag}` / `{option.name}` | `{option.env}` | "
                      f"{', '.join(option.commands)} | {_default(option)} | "
                      f"{_cell(option.help)}{values} |")
     return "\n".join(lines)

@@ -80,12 +80,13 @@ from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
 from .assembler import Assembler, ProtocolSequenceError
 from .config import ConfigError, Settings, mask_dsn
+from .ops.metrics import Telemetry
 from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
 from .protocol import LSN, DecodeError, decode
 from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
 from .source.slots import create_slot, publications_missing, slot_info
 
-__all__ = ["Worker", "WorkerFailed", "run"]
+__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,7 @@ class Worker:
         self.slot: str = settings.slot
         self.stop_requested = False
         self.caught_up: _CaughtUp | None = None
-        spill = settings.spill_dir or Path(tempfile.gettempdir()) / f"applier-spill-{_safe(self.slot)}"
-        self.spill_dir = Path(spill)
+        self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
         self._engine: Engine | None = None
         # Everything up to this source commit LSN goes through the careful, row-by-row path: the
         # fast path met a conflict or error there and handed the stretch back.
@@ -137,12 +137,15 @@ class Worker:
         self._unflushed: deque[tuple[LSN, LSN]] = deque()
         self._failures_without_progress = 0
         self._progressed = False
+        # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
+        self.telemetry = Telemetry.from_settings(settings, self.slot)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         lock = WorkerLock(self.settings.target, self.slot)
         try:
+            self.telemetry.start()
             self._engine = make_engine(self.settings.target)
             self._with_retry(lambda: upgrade_schema(self._engine))
             self._with_retry(lock.acquire)
@@ -154,6 +157,7 @@ class Worker:
             log.info("stopped on signal")
             return 0
         finally:
+            self.telemetry.close()
             lock.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -227,6 +231,7 @@ class Worker:
                                     limits=limits, careful_until=self.careful_until,
                                     track_target_lsn=settings.synchronous_commit == "off")
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
+            self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
             stream.start(applied.end_lsn)
@@ -238,6 +243,7 @@ class Worker:
                 raise
             raise WorkerFailed(self._describe_failure(exc, stream)) from exc
         finally:
+            self.telemetry.detach()
             if applier is not None:
                 try:
                     applier.abort_open_transaction()
@@ -340,6 +346,11 @@ class Worker:
         return False
 
 
+def default_spill_dir(slot: str) -> Path:
+    """Where a slot's streamed transactions spill when --spill-dir is not given."""
+    return Path(tempfile.gettempdir()) / f"applier-spill-{_safe(slot)}"
+
+
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
@@ -348,6 +359,6 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError) as exc:
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError) as exc:
         log.error("%s", exc)
         return 1

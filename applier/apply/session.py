@@ -40,8 +40,16 @@ class TargetSession:
                               transient=True) from exc
         self.pgconn = self.conn.pgconn
         self._prepared: set[bytes] = set()
-        for setting in ("SET session_replication_role = replica",
-                        "SELECT pg_catalog.set_config('search_path', '', false)",
+        try:
+            self.sql("SET session_replication_role = replica")
+        except TargetError as exc:
+            if exc.sqlstate != "42501":
+                raise
+            role = self.conn.info.user
+            raise TargetError(f"{exc}. The target role may not act as a replica: run GRANT SET ON "
+                              f"PARAMETER session_replication_role TO \"{role}\" as a superuser "
+                              "(PostgreSQL 15+)", sqlstate=exc.sqlstate, transient=False) from exc
+        for setting in ("SELECT pg_catalog.set_config('search_path', '', false)",
                         "SET datestyle = ISO", "SET intervalstyle = postgres",
                         f"SET synchronous_commit = {'off' if synchronous_commit == 'off' else 'on'}"):
             self.sql(setting)

@@ -132,8 +132,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
            "per target transaction before it commits; also the most rows held in memory.",
            kind="int", default=20000),
-    Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits.",
-           kind="size", default=32 * 1024**2),
+    Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits "
+           "(at most half of --memory-budget is used: the batch counts against the budget too).",
+           kind="size", default=8 * 1024**2),
     Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
            "source transactions (it also commits whenever the stream is idle).", kind="int",
            default=500),

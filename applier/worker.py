@@ -226,7 +226,9 @@ class Worker:
                 else:
                     self._unflushed.append((target_lsn, end_lsn))
 
-            limits = BatchLimits(settings.batch_rows, settings.batch_bytes, settings.batch_time / 1000)
+            limits = BatchLimits(settings.batch_rows,
+                                 min(settings.batch_bytes, settings.memory_budget // 2),
+                                 settings.batch_time / 1000)
             applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
                                     limits=limits, careful_until=self.careful_until,
                                     track_target_lsn=settings.synchronous_commit == "off")

@@ -17,8 +17,9 @@ Must never send anything itself (the pipeline does) or decide batch boundaries (
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ..protocol.messages import KIND_BINARY, KIND_UNCHANGED, TupleData
 from .relations import RelationMapping, quote_ident
@@ -53,14 +54,28 @@ class BatchStatement:
     expected_rows: int | None
 
 
+_ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
+#: Column kind bytes -> parameter formats (b -> 1 binary; t, n -> 0 text), one C call per row.
+_FORMATS = bytes(1 if i == KIND_BINARY else 0 for i in range(256))
+
+
 def _present(row: TupleData) -> tuple[int, ...]:
-    return tuple(i for i, kind in enumerate(row.kinds) if kind != KIND_UNCHANGED)
+    kinds = row.kinds
+    if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
+        width = len(kinds)
+        every = _ALL_COLUMNS.get(width)
+        if every is None:
+            every = _ALL_COLUMNS[width] = tuple(range(width))
+        return every
+    return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
 
 
 class Batch:
     def __init__(self) -> None:
         self._ops: list[_Op | None] = []
         self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
+        self._key_getters: dict[int, Callable[[tuple], object]] = {}
+        self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
         self.rows = 0
         self.bytes = 0
 
@@ -72,16 +87,26 @@ class Batch:
         self._last.clear()
         self.rows = self.bytes = 0
 
-    # -- recording ------------------------------------------------------------------------------
-    def _count(self, row: TupleData | None) -> None:
-        self.rows += 1
-        if row is not None:
-            self.bytes += sum(len(v) for v in row.values if type(v) is bytes)  # noqa: E721
+    def forget(self, relation_id: int) -> None:
+        """A relation's definition changed: drop what was derived from the old one."""
+        self._key_getters.pop(relation_id, None)
+        self._sql = {k: v for k, v in self._sql.items() if k[0][1] != relation_id}
 
-    @staticmethod
-    def _key(mapping: RelationMapping, row: TupleData) -> tuple:
+    # -- recording ------------------------------------------------------------------------------
+    def _count(self, row: TupleData) -> None:
+        self.rows += 1
         values = row.values
-        return (mapping.relation.relation_id, *(values[i] for i in mapping.key_positions))
+        if KIND_UNCHANGED in row.kinds:
+            self.bytes += sum(len(v) for v in values if type(v) is bytes)  # noqa: E721
+        else:
+            self.bytes += sum(map(len, filter(None, values)))  # type: ignore[arg-type]
+
+    def _key(self, mapping: RelationMapping, row: TupleData) -> tuple:
+        relation_id = mapping.relation.relation_id
+        getter = self._key_getters.get(relation_id)
+        if getter is None:
+            getter = self._key_getters[relation_id] = itemgetter(*mapping.key_positions)
+        return (relation_id, getter(row.values))
 
     def insert(self, mapping: RelationMapping, new: TupleData) -> None:
         self._count(new)
@@ -184,29 +209,39 @@ class Batch:
         assert mapping is not None
         values: list[bytes | None] = []
         formats: list[int] = []
+        rows = len(chunk)
+        sql_key = (first.shape, rows)
+        sql = self._sql.get(sql_key)
         if first.kind == _INSERT:
             present = first.shape[2]
             for op in chunk:
                 _collect(op.row, present, values, formats)
-            sql = _insert_sql(mapping, present, len(chunk))
+            if sql is None:
+                sql = self._sql[sql_key] = _insert_sql(mapping, present, rows)
         elif first.kind == _UPDATE:
             _, _, assigned, source, key_positions, by_key, _ = first.shape
             for op in chunk:
                 _collect(op.row, assigned, values, formats)
                 _collect(op.old if source == OLD else op.row, key_positions, values, formats)
-            sql = _update_sql(mapping, assigned, key_positions, len(chunk), by_key)
+            if sql is None:
+                sql = self._sql[sql_key] = _update_sql(mapping, assigned, key_positions, rows, by_key)
         else:
             positions, by_key = first.shape[2], first.shape[3]
             for op in chunk:
                 _collect(op.row, positions, values, formats)
-            sql = _delete_sql(mapping, positions, len(chunk), by_key)
-        return BatchStatement((first.shape, len(chunk)), sql, values, formats, len(chunk))
+            if sql is None:
+                sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
+        return BatchStatement(sql_key, sql, values, formats, rows)
 
 
 def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],
              formats: list[int]) -> None:
     assert row is not None
     row_values, kinds = row.values, row.kinds
+    if len(positions) == len(row_values):  # every column, in order
+        values.extend(row_values)  # type: ignore[arg-type]
+        formats.extend(kinds.translate(_FORMATS))
+        return
     for i in positions:
         values.append(row_values[i])  # type: ignore[arg-type]
         formats.append(1 if kinds[i] == KIND_BINARY else 0)

@@ -126,6 +126,7 @@ class TargetApplier:
             self._send_batch()  # queued rows were mapped with the old definition
         self._batch_statements = {k: v for k, v in self._batch_statements.items()
                                   if k[0][1] != msg.relation_id}
+        self._batch.forget(msg.relation_id)
 
     def type(self, msg: Type) -> None:
         # Values are cast by the target column's type, found by name; type OIDs are not needed.

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import OPTIONS, ConfigError, Settings, load_settings
+from .ops.logs import configure_logging
 
 __all__ = ["main", "build_parser"]
 
@@ -23,6 +24,9 @@ log = logging.getLogger("applier")
 COMMANDS: dict[str, str] = {
     "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
+    "status": "Show a slot and its replica: slot state, WAL retained, last applied transaction, "
+              "lag, prepared transactions, spill; exit non-zero when the slot is missing or lag "
+              "exceeds --max-lag.",
     "verify": "Compare source and replica table by table: counts, per-range hashes, then exactly "
               "which keys differ.",
     "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
@@ -90,6 +94,9 @@ def _runner(command: str) -> Callable[[Settings], int]:
     if command == "peek":
         from .peek import peek
         return peek
+    if command == "status":
+        from .ops.status import status
+        return status
     raise AssertionError(command)
 
 
@@ -97,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in _STANDALONE:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_logging("WARNING")
         module, _, runner = _STANDALONE[args.command]
         return int(getattr(importlib.import_module(module), runner)(args))
     cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
@@ -105,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args.command, cli_values, args.config)
     except ConfigError as exc:
         parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
-    logging.basicConfig(level=settings.values.get("log_level", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    configure_logging(settings.values.get("log_level", "INFO"), settings.values.get("log_format", "text"))
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not news
     try:
         return _runner(args.command)(settings)

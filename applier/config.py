@@ -127,7 +127,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
-           "budget. Default: a directory per slot under the system temp directory.", kind="path"),
+           "budget. Default: a directory per slot under the system temp directory.", kind="path",
+           commands=("run", "sync", "status")),
+    Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
+           "per target transaction before it commits; also the most rows held in memory.",
+           kind="int", default=20000),
+    Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits "
+           "(at most half of --memory-budget is used: the batch counts against the budget too).",
+           kind="size", default=8 * 1024**2),
+    Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
+           "source transactions (it also commits whenever the stream is idle).", kind="int",
+           default=500),
+    Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "
+           "slot is only told positions whose target commits the target has flushed to disk.",
+           kind="choice", choices=("on", "off"), default="off"),
     Option("exit_when_caught_up", "Exit 0 once everything the source committed before start-up "
            "is applied and confirmed, instead of running until SIGTERM/SIGINT.", kind="bool",
            default=False),
@@ -136,6 +149,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
            kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
            commands=("run", "sync", "peek", "status", "demo")),
+    # -- operations (applier/ops) -----------------------------------------------------------------
+    Option("log_format", "Log line format: text (for people) or json (one object per line with "
+           "slot, lsn and xid fields).", default="text", kind="choice", choices=("text", "json"),
+           commands=("run", "sync", "peek", "status", "demo")),
+    Option("metrics_port", "Serve Prometheus metrics on this TCP port at /metrics, with /healthz "
+           "(live) and /readyz (streaming and within --ready-max-lag). Default: no server.",
+           kind="int"),
+    Option("metrics_address", "Address the metrics server listens on.", default="0.0.0.0"),
+    Option("ready_max_lag", "/readyz fails while the apply lag exceeds this: a size of WAL "
+           "(e.g. 64MB) or a duration (e.g. 30s, 5min).", default="60s"),
+    Option("json", "Print the status as JSON instead of a table.", kind="bool", default=False,
+           commands=("status",)),
+    Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
+           "64MB) or a duration (e.g. 30s, 5min).", commands=("status",)),
 )
 
 OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
@@ -170,7 +197,9 @@ class Settings:
         return shown
 
 
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)([^@]*)(@)")
+# Neither part may span whitespace or a slash, so a password inside a longer log line is masked
+# without swallowing the text around it (URLs percent-encode those characters anyway).
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)([^@\s/]*)(@)")
 _KV_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
@@ -240,6 +269,9 @@ def _validate(settings: Settings) -> None:
     interval = values.get("status_interval")
     if interval is not None and not 1 <= interval <= 10:
         raise ConfigError("status_interval must be between 1 and 10 seconds")
+    for name in ("batch_rows", "batch_time"):
+        if values.get(name) is not None and values[name] < 1:
+            raise ConfigError(f"{name} must be at least 1")
     budget = values.get("memory_budget")
     if budget is not None and budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")

@@ -63,31 +63,30 @@ the worker started is applied on the target and the slot has confirmed it.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import tempfile
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
 import psycopg
 from sqlalchemy import Engine
-from tenacity import (
-    RetryCallState, Retrying, retry_if_exception, stop_never, wait_exponential,
-)
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
-from .apply.sink import ApplyError, AppliedPosition, TargetApplier
+from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
 from .assembler import Assembler, ProtocolSequenceError
 from .config import ConfigError, Settings, mask_dsn
+from .ops.metrics import Telemetry
 from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
 from .protocol import LSN, DecodeError, decode
 from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
 from .source.slots import create_slot, publications_missing, slot_info
 
-__all__ = ["Worker", "WorkerFailed", "run"]
+__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +127,25 @@ class Worker:
         self.slot: str = settings.slot
         self.stop_requested = False
         self.caught_up: _CaughtUp | None = None
-        spill = settings.spill_dir or Path(tempfile.gettempdir()) / f"applier-spill-{_safe(self.slot)}"
-        self.spill_dir = Path(spill)
+        self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
         self._engine: Engine | None = None
+        # Everything up to this source commit LSN goes through the careful, row-by-row path: the
+        # fast path met a conflict or error there and handed the stretch back.
+        self.careful_until = LSN(0)
+        # synchronous_commit = off: (target WAL position, source end LSN) of commits that are not
+        # known to be on the target's disk yet, oldest first.
+        self._unflushed: deque[tuple[LSN, LSN]] = deque()
+        self._failures_without_progress = 0
+        self._progressed = False
+        # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
+        self.telemetry = Telemetry.from_settings(settings, self.slot)
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         lock = WorkerLock(self.settings.target, self.slot)
         try:
+            self.telemetry.start()
             self._engine = make_engine(self.settings.target)
             self._with_retry(lambda: upgrade_schema(self._engine))
             self._with_retry(lock.acquire)
@@ -148,6 +157,7 @@ class Worker:
             log.info("stopped on signal")
             return 0
         finally:
+            self.telemetry.close()
             lock.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -156,10 +166,21 @@ class Worker:
         log.info("received %s: stopping after the current message", signal.Signals(signum).name)
         self.stop_requested = True
 
+    def _backoff(self, state: RetryCallState) -> float:
+        """Exponential backoff over consecutive failures without progress; none before a careful
+        redo (it is not a failure of the connection)."""
+        exc = state.outcome.exception() if state.outcome else None
+        if isinstance(exc, ApplyError) and exc.careful_until is not None:
+            return 0.0
+        if self._progressed:
+            self._progressed = False
+            self._failures_without_progress = 0
+        self._failures_without_progress += 1
+        return min(30.0, 0.5 * 2 ** (self._failures_without_progress - 1))
+
     def _with_retry(self, func) -> None:  # noqa: ANN001 - a no-argument callable
         retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_never,
-                            wait=wait_exponential(multiplier=0.5, max=30), reraise=True,
-                            before_sleep=_log_retry)
+                            wait=self._backoff, reraise=True, before_sleep=_log_retry)
         for attempt in retrying:
             with attempt:
                 if self.stop_requested:
@@ -172,7 +193,9 @@ class Worker:
         assert self._engine is not None
         engine = self._engine
         applied = read_position(engine, self.slot) or AppliedPosition(LSN(0), LSN(0))
-        target = TargetSession(settings.target, application_name=f"applier {self.slot}")
+        target = TargetSession(settings.target, application_name=f"applier {self.slot}",
+                               synchronous_commit=settings.synchronous_commit)
+        self._unflushed.clear()
         control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
         stream: ReplicationStream | None = None
         assembler: Assembler | None = None
@@ -196,20 +219,33 @@ class Worker:
                 self.caught_up = _CaughtUp(stream.identify_system()[2])
                 log.info("will exit once caught up with source position %s", self.caught_up.goal)
 
-            def on_commit(end_lsn: LSN) -> None:
-                stream.confirm(end_lsn)
+            def on_commit(end_lsn: LSN, target_lsn: LSN | None) -> None:
+                self._progressed = True
+                if target_lsn is None:
+                    stream.confirm(end_lsn)
+                else:
+                    self._unflushed.append((target_lsn, end_lsn))
 
-            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit)
+            limits = BatchLimits(settings.batch_rows,
+                                 min(settings.batch_bytes, settings.memory_budget // 2),
+                                 settings.batch_time / 1000)
+            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
+                                    limits=limits, careful_until=self.careful_until,
+                                    track_target_lsn=settings.synchronous_commit == "off")
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
+            self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
             stream.start(applied.end_lsn)
-            self._stream_loop(stream, assembler, control)
+            self._stream_loop(stream, assembler, applier, control)
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
+            if isinstance(exc, ApplyError) and exc.careful_until is not None:
+                self.careful_until = max(self.careful_until, exc.careful_until)
             if _transient(exc):
                 raise
             raise WorkerFailed(self._describe_failure(exc, stream)) from exc
         finally:
+            self.telemetry.detach()
             if applier is not None:
                 try:
                     applier.abort_open_transaction()
@@ -259,10 +295,13 @@ class Worker:
                               "--publication", permanent=True)
         return info.two_phase
 
-    def _stream_loop(self, stream: ReplicationStream, assembler: Assembler,
+    def _stream_loop(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier,
                      control: psycopg.Connection) -> None:
+        last_flush_check = 0.0
         while not self.stop_requested:
-            data = stream.read(timeout=0.5)
+            # While the fast path holds uncommitted work, only take what has already arrived;
+            # the moment the stream pauses, commit it.
+            data = stream.read(timeout=0 if applier.holds_uncommitted else 0.5)
             if data is not None:
                 message = decode(data.payload, assembler.in_stream)
                 assembler.feed(message, data.payload)
@@ -270,14 +309,27 @@ class Worker:
                     continue
             elif not assembler.idle:
                 continue
-            # Nothing open or buffered: everything the server sent is applied, so the position
-            # it last reported having sent is safe to confirm (idle or filtered tables).
+            if data is None and applier.holds_uncommitted:
+                applier.flush()
+            if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
+                self._confirm_flushed(stream, applier)
+                last_flush_check = time.monotonic()
+            if applier.holds_uncommitted or self._unflushed:
+                continue
+            # Nothing open, buffered or unflushed: everything the server sent is applied and
+            # durable, so the position it last reported having sent is safe to confirm too.
             if stream.keepalive_wal_end > stream.flush_lsn:
                 stream.confirm(stream.keepalive_wal_end)
             if self.caught_up is not None and self._is_caught_up(stream, control):
                 log.info("caught up: the slot confirmed %s", stream.flush_lsn)
                 return
         raise _StopRequested()
+
+    def _confirm_flushed(self, stream: ReplicationStream, applier: TargetApplier) -> None:
+        """synchronous_commit = off: confirm the source positions whose target commits are on disk."""
+        flushed = LSN.parse(applier.session.flushed_wal_lsn())
+        while self._unflushed and self._unflushed[0][0] <= flushed:
+            stream.confirm(self._unflushed.popleft()[1])
 
     def _is_caught_up(self, stream: ReplicationStream, control: psycopg.Connection) -> bool:
         assert self.caught_up is not None
@@ -296,6 +348,11 @@ class Worker:
         return False
 
 
+def default_spill_dir(slot: str) -> Path:
+    """Where a slot's streamed transactions spill when --spill-dir is not given."""
+    return Path(tempfile.gettempdir()) / f"applier-spill-{_safe(slot)}"
+
+
 def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
@@ -304,6 +361,6 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError) as exc:
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError) as exc:
         log.error("%s", exc)
         return 1

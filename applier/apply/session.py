@@ -32,7 +32,7 @@ class TargetError(Exception):
 
 
 class TargetSession:
-    def __init__(self, dsn: str, application_name: str) -> None:
+    def __init__(self, dsn: str, application_name: str, synchronous_commit: str = "on") -> None:
         try:
             self.conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
         except psycopg.OperationalError as exc:
@@ -40,9 +40,18 @@ class TargetSession:
                               transient=True) from exc
         self.pgconn = self.conn.pgconn
         self._prepared: set[bytes] = set()
-        for setting in ("SET session_replication_role = replica",
-                        "SELECT pg_catalog.set_config('search_path', '', false)",
-                        "SET datestyle = ISO", "SET intervalstyle = postgres"):
+        try:
+            self.sql("SET session_replication_role = replica")
+        except TargetError as exc:
+            if exc.sqlstate != "42501":
+                raise
+            role = self.conn.info.user
+            raise TargetError(f"{exc}. The target role may not act as a replica: run GRANT SET ON "
+                              f"PARAMETER session_replication_role TO \"{role}\" as a superuser "
+                              "(PostgreSQL 15+)", sqlstate=exc.sqlstate, transient=False) from exc
+        for setting in ("SELECT pg_catalog.set_config('search_path', '', false)",
+                        "SET datestyle = ISO", "SET intervalstyle = postgres",
+                        f"SET synchronous_commit = {'off' if synchronous_commit == 'off' else 'on'}"):
             self.sql(setting)
         self.server_encoding = self.conn.info.parameter_status("server_encoding") or "UTF8"
         self.backend_pid = self.pgconn.backend_pid
@@ -78,6 +87,10 @@ class TargetSession:
             self._prepared.add(statement.name)
         return self._check(self.pgconn.exec_prepared(statement.name, values, formats),
                            statement.sql)
+
+    def flushed_wal_lsn(self) -> str:
+        """The target's WAL position known durable on disk (for synchronous_commit = off)."""
+        return self.sql("SELECT pg_catalog.pg_current_wal_flush_lsn()").get_value(0, 0).decode()
 
     @property
     def in_transaction(self) -> bool:

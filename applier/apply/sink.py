@@ -9,6 +9,7 @@ restart) and is skipped whole.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from ..protocol.messages import (
     RollbackPrepared, Truncate, TupleData, Type, Update,
 )
 from ..assembler import TransactionEnd, TransactionStart
+from .batch import Batch
+from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .relations import (
     MissingTargetColumn, MissingTargetTable, RelationMapping, TargetTable, map_relation,
     qualified_name,
@@ -26,7 +29,7 @@ from .relations import (
 from .session import TargetError, TargetSession
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
 
-__all__ = ["TargetApplier", "ApplyError", "AppliedPosition"]
+__all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +42,34 @@ PROGRESS_SQL = (
 
 
 class ApplyError(Exception):
-    """Applying a transaction failed; nothing of it (or after it) is committed on the target."""
+    """Applying a transaction failed; nothing of it (or after it) is committed on the target.
+
+    ``careful_until``: the fast path met something it does not resolve itself (a conflict, or an
+    error that row-by-row application may avoid); redo everything up to this commit LSN on the
+    careful path."""
 
     def __init__(self, message: str, *, transient: bool = False, commit_lsn: LSN | None = None,
-                 xid: int | None = None) -> None:
+                 xid: int | None = None, careful_until: LSN | None = None) -> None:
         super().__init__(message)
-        self.transient = transient
+        self.transient = transient or careful_until is not None
         self.commit_lsn = commit_lsn
         self.xid = xid
+        self.careful_until = careful_until
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """When the fast path commits: whichever limit is reached first (and whenever the stream is
+    idle). Rows and bytes also bound memory inside one large source transaction."""
+
+    rows: int
+    bytes: int
+    seconds: float
+
+
+#: Called after a target commit: the source end LSN it covers, and (with synchronous_commit off)
+#: the target WAL position that must be flushed before the slot may be told.
+OnCommit = Callable[[LSN, "LSN | None"], None]
 
 
 @dataclass
@@ -61,12 +84,23 @@ class TargetApplier:
     """Implements ``assembler.TransactionSink`` over a ``TargetSession``."""
 
     def __init__(self, session: TargetSession, reflect: Callable[[str, str], TargetTable],
-                 slot: str, applied: AppliedPosition, on_commit: Callable[[LSN], None]) -> None:
+                 slot: str, applied: AppliedPosition, on_commit: OnCommit, *,
+                 limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
+                 track_target_lsn: bool = False) -> None:
         self.session = session
         self.reflect = reflect
         self.slot = slot
         self.applied = applied
         self.on_commit = on_commit
+        self.limits = limits
+        self.careful_until = careful_until
+        self.track_target_lsn = track_target_lsn
+        self._batch = Batch()
+        self._batch_open = False          # a target transaction holds fast-path work
+        self._batch_last: TransactionEnd | None = None
+        self._batch_started = 0.0
+        self._batch_statements: dict[tuple, bytes] = {}
+        self._fast = False                # the current source transaction uses the fast path
         self.relations: dict[int, Relation] = {}
         self._mappings: dict[int, RelationMapping] = {}
         self._statements: dict[tuple[object, ...], Statement] = {}
@@ -76,6 +110,11 @@ class TargetApplier:
         self._skipping = False
         self.current_origin: Origin | None = None
 
+    @property
+    def current_xid(self) -> int | None:
+        """Source xid of the transaction being applied, if any (log context and metrics)."""
+        return self._current.xid if self._current is not None else None
+
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
         # A new Relation message means the source schema may have changed: rebuild the mapping
@@ -83,6 +122,11 @@ class TargetApplier:
         self.relations[msg.relation_id] = msg
         self._mappings.pop(msg.relation_id, None)
         self._statements = {k: v for k, v in self._statements.items() if k[1] != msg.relation_id}
+        if self._batch:
+            self._send_batch()  # queued rows were mapped with the old definition
+        self._batch_statements = {k: v for k, v in self._batch_statements.items()
+                                  if k[0][1] != msg.relation_id}
+        self._batch.forget(msg.relation_id)
 
     def type(self, msg: Type) -> None:
         # Values are cast by the target column's type, found by name; type OIDs are not needed.
@@ -112,6 +156,14 @@ class TargetApplier:
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
                      txn.xid, txn.commit_lsn, self.applied.commit_lsn)
             return
+        self._fast = self.limits is not None and txn.commit_lsn > self.careful_until
+        if self._fast:
+            if not self._batch_open:
+                self._sql("BEGIN")
+                self._batch_open = True
+                self._batch_started = time.monotonic()
+            return
+        self.flush()  # commit order: whatever the fast path holds goes first
         self._sql("BEGIN")
 
     def origin(self, msg: Origin) -> None:
@@ -122,17 +174,102 @@ class TargetApplier:
         if self._skipping:
             self._skipping = False
             return
-        self._sql(PROGRESS_SQL, [self.slot.encode(), str(txn.commit_lsn).encode(),
-                                 str(txn.end_lsn).encode(), txn.commit_time.isoformat().encode()])
-        self._sql("COMMIT")
-        self.applied = AppliedPosition(txn.commit_lsn, txn.end_lsn)
         self.applied_counts["transactions"] += 1
-        self.on_commit(txn.end_lsn)
+        if self._fast:
+            self._batch_last = txn
+            limits = self.limits
+            assert limits is not None
+            if (self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes
+                    or time.monotonic() - self._batch_started >= limits.seconds):
+                self.flush()
+            return
+        self._sql(PROGRESS_SQL, _progress_values(self.slot, txn))
+        self._sql("COMMIT")
+        target_lsn = None
+        if self.track_target_lsn:
+            target_lsn = LSN.parse(self.session.sql("SELECT pg_catalog.pg_current_wal_insert_lsn()")
+                                   .get_value(0, 0).decode())
+        self.applied = AppliedPosition(txn.commit_lsn, txn.end_lsn)
+        self.on_commit(txn.end_lsn, target_lsn)
+
+    @property
+    def holds_uncommitted(self) -> bool:
+        """Fast-path work is waiting for its commit (the worker flushes when the stream is idle)."""
+        return self._batch_open
+
+    def flush(self) -> None:
+        """Commit the fast path's target transaction: its rows, the progress row naming the last
+        source transaction in it, and COMMIT, in one pipeline round trip."""
+        if not self._batch_open:
+            return
+        last = self._batch_last
+        target_lsn: list[LSN] = []
+        try:
+            with Pipeline(self.session.pgconn) as pipeline:
+                self._emit(pipeline)
+                if last is not None:
+                    pipeline.send(PROGRESS_SQL, _progress_values(self.slot, last))
+                pipeline.send("COMMIT")
+                if self.track_target_lsn:
+                    pipeline.send("SELECT pg_catalog.pg_current_wal_insert_lsn()",
+                                  on_value=lambda v: target_lsn.append(LSN.parse(v.decode())))
+                pipeline.sync()
+        except (RowCountMismatch, PipelineError) as exc:
+            raise self._fast_path_failed(exc, last) from exc
+        finally:
+            self._batch.clear()
+            self._batch_open = False
+            self._batch_last = None
+        if last is not None:
+            self.applied = AppliedPosition(last.commit_lsn, last.end_lsn)
+            self.on_commit(last.end_lsn, target_lsn[0] if target_lsn else None)
+
+    def _send_batch(self) -> None:
+        """Send the rows recorded so far without committing (bounds memory in large transactions)."""
+        try:
+            with Pipeline(self.session.pgconn) as pipeline:
+                self._emit(pipeline)
+                pipeline.sync()
+        except (RowCountMismatch, PipelineError) as exc:
+            raise self._fast_path_failed(exc, self._batch_last) from exc
+        finally:
+            self._batch.clear()
+
+    def _emit(self, pipeline: Pipeline) -> None:
+        for statement in self._batch.statements():
+            if statement.cache_key is None:
+                pipeline.send(statement.sql, expected_rows=statement.expected_rows)
+                continue
+            name = self._batch_statements.get(statement.cache_key)
+            if name is None:
+                name = self._batch_statements[statement.cache_key] = f"applier_b{len(self._batch_statements) + 1}".encode()
+                pipeline.prepare(name, statement.sql)
+            pipeline.send_prepared(name, statement.sql, statement.values, statement.formats,
+                                   statement.expected_rows)
+
+    def _fast_path_failed(self, exc: Exception, last: TransactionEnd | None) -> ApplyError:
+        """Roll back and ask for the stretch to be redone carefully, row by row."""
+        transient_connection = isinstance(exc, PipelineError) and exc.transient
+        try:
+            if self.session.in_transaction:
+                self.session.sql("ROLLBACK")
+        except TargetError:
+            transient_connection = True
+        if transient_connection:
+            return ApplyError(str(exc), transient=True)
+        current = self._current
+        until = max(lsn for lsn in (last.commit_lsn if last else LSN(0),
+                                    current.commit_lsn if current else LSN(0)))
+        log.info("fast apply met %s; redoing up to %s row by row", exc, until)
+        return ApplyError(f"fast path: {exc}", careful_until=until)
 
     def abort_open_transaction(self) -> None:
         """Roll back a transaction left open by an error, a lost source or a stop signal."""
         self._current = None
         self._skipping = False
+        self._batch.clear()
+        self._batch_open = False
+        self._batch_last = None
         if self.session.in_transaction:
             self.session.sql("ROLLBACK")
 
@@ -168,13 +305,17 @@ class TargetApplier:
     def _insert(self, msg: Insert) -> None:
         mapping = self._mapping(msg.relation_id)
         new = msg.new_tuple
+        self.applied_counts["insert"] += 1
+        if self._fast:
+            self._batch.insert(mapping, new)
+            self._bound_batch()
+            return
         present = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         key = ("I", msg.relation_id, present)
         statement = self._statements.get(key)
         if statement is None:
             statement = self._statements[key] = insert_statement(mapping, present)
         result = self._execute(statement, new, None, mapping)
-        self.applied_counts["insert"] += 1
         if statement.conflict_key and _rowcount(result) == 0:
             # The key exists already (redelivery, or a row written on the target): the source's
             # row wins, as an update by that key.
@@ -196,16 +337,25 @@ class TargetApplier:
         if not key_positions:
             raise self._error(f"update on {self._name(mapping)} carries no replica identity; give "
                               "the source table a primary key or REPLICA IDENTITY")
+        self.applied_counts["update"] += 1
+        if self._fast:
+            self._batch.update(mapping, new, old)
+            self._bound_batch()
+            return
         statement = self._update_statement(mapping, assigned, key_source, key_positions,
                                            not mapping.full_identity)
         result = self._execute(statement, new, old, mapping)
-        self.applied_counts["update"] += 1
         if _rowcount(result) == 0:
             self._conflict(mapping, "update_missing")
 
     def _delete(self, msg: Delete) -> None:
         mapping = self._mapping(msg.relation_id)
         old = msg.old_tuple
+        self.applied_counts["delete"] += 1
+        if self._fast:
+            self._batch.delete(mapping, old)
+            self._bound_batch()
+            return
         if mapping.full_identity:
             positions = tuple(i for i, k in enumerate(old.kinds) if k != KIND_UNCHANGED)
         else:
@@ -216,15 +366,23 @@ class TargetApplier:
             statement = self._statements[key] = delete_statement(mapping, positions,
                                                                  not mapping.full_identity)
         result = self._execute(statement, None, old, mapping)
-        self.applied_counts["delete"] += 1
         if _rowcount(result) == 0:
             self._conflict(mapping, "delete_missing")
 
     def _truncate(self, msg: Truncate) -> None:
         names = [self._mapping(relation_id).table.sql_name for relation_id in msg.relation_ids]
         if names:
-            self._sql(truncate_sql(names, msg.restart_identity))
+            if self._fast:
+                self._batch.statement(truncate_sql(names, msg.restart_identity))
+            else:
+                self._sql(truncate_sql(names, msg.restart_identity))
             self.applied_counts["truncate"] += 1
+
+    def _bound_batch(self) -> None:
+        limits = self.limits
+        assert limits is not None
+        if self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes:
+            self._send_batch()
 
     # -- helpers --------------------------------------------------------------------------------
     def _update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
@@ -270,6 +428,11 @@ class TargetApplier:
             message = f"{message} [source transaction xid {txn.xid}, commit LSN {txn.commit_lsn}]"
         return ApplyError(message, transient=transient, commit_lsn=txn.commit_lsn if txn else None,
                           xid=txn.xid if txn else None)
+
+
+def _progress_values(slot: str, txn: TransactionEnd) -> list[bytes | None]:
+    return [slot.encode(), str(txn.commit_lsn).encode(), str(txn.end_lsn).encode(),
+            txn.commit_time.isoformat().encode()]
 
 
 def _rowcount(result) -> int:  # noqa: ANN001 - a psycopg PGresult

@@ -13,7 +13,7 @@ from itertools import count
 from .relations import RelationMapping, quote_ident
 
 __all__ = ["Statement", "NEW", "OLD", "insert_statement", "update_statement", "delete_statement",
-           "truncate_sql"]
+           "update_sql", "delete_sql", "truncate_sql"]
 
 NEW, OLD = 0, 1
 
@@ -80,19 +80,29 @@ def _row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...
     return f"ctid = (SELECT ctid FROM ONLY {table.sql_name} WHERE {match} LIMIT 1)", params
 
 
-def update_statement(mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
-                     key_positions: tuple[int, ...], by_key: bool) -> Statement:
-    """UPDATE setting the columns sent (unchanged TOAST columns are left out, so kept)."""
+def update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
+               by_key: bool) -> str:
+    """UPDATE setting the columns sent (unchanged TOAST columns are left out, so kept); the
+    parameters are the assigned values, then the key (or old row) values."""
     sets = ", ".join(f"{quote_ident(mapping.target_columns[i].name)} = {_placeholder(mapping, i, n)}"
                      for n, i in enumerate(assigned, 1))
-    where, key_params = _row_filter(mapping, key_source, key_positions, len(assigned) + 1, by_key)
-    sql = f"UPDATE {mapping.table.sql_name} SET {sets} WHERE {where}"
-    return _statement(sql, [(NEW, i) for i in assigned] + key_params)
+    where, _ = _row_filter(mapping, NEW, key_positions, len(assigned) + 1, by_key)
+    return f"UPDATE {mapping.table.sql_name} SET {sets} WHERE {where}"
+
+
+def update_statement(mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
+                     key_positions: tuple[int, ...], by_key: bool) -> Statement:
+    return _statement(update_sql(mapping, assigned, key_positions, by_key),
+                      [(NEW, i) for i in assigned] + [(key_source, i) for i in key_positions])
+
+
+def delete_sql(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> str:
+    where, _ = _row_filter(mapping, OLD, key_positions, 1, by_key)
+    return f"DELETE FROM {mapping.table.sql_name} WHERE {where}"
 
 
 def delete_statement(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> Statement:
-    where, params = _row_filter(mapping, OLD, key_positions, 1, by_key)
-    return _statement(f"DELETE FROM {mapping.table.sql_name} WHERE {where}", params)
+    return _statement(delete_sql(mapping, key_positions, by_key), [(OLD, i) for i in key_positions])
 
 
 def truncate_sql(table_names: list[str], restart_identity: bool) -> str:

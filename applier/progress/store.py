@@ -52,7 +52,12 @@ def upgrade_schema(engine: Engine) -> None:
         with engine.begin() as conn:
             conn.execute(text("SELECT pg_advisory_xact_lock(:ns, :key)"),
                          {"ns": _LOCK_NAMESPACE, "key": _MIGRATION_LOCK_KEY})
-            conn.execute(text("CREATE SCHEMA IF NOT EXISTS applier"))
+            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
+            # exists: a least-privilege role that owns an existing applier schema must not need it.
+            exists = conn.execute(text("SELECT 1 FROM pg_catalog.pg_namespace "
+                                       "WHERE nspname = 'applier'")).first()
+            if exists is None:
+                conn.execute(text("CREATE SCHEMA applier"))
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
     except Exception as exc:  # alembic and SQLAlchemy raise many types; one clear message

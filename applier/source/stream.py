@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from ..protocol.lsn import LSN, PG_EPOCH
 from .options import StreamOptions
@@ -25,6 +26,7 @@ __all__ = ["ReplicationStream", "SourceError", "XLogData", "replication_conninfo
 
 log = logging.getLogger(__name__)
 
+_SLOT_RELEASE_SECONDS = 15
 _XLOGDATA_HEADER = struct.Struct(">QQQ")
 _KEEPALIVE = struct.Struct(">QQB")
 _STATUS = struct.Struct(">cQQQQB")
@@ -121,7 +123,21 @@ class ReplicationStream:
         return row[0], int(row[1]), LSN.parse(row[2])
 
     def start(self, start_lsn: LSN) -> None:
-        """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush)."""
+        """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush).
+
+        A slot still "active" is retried for a while: after a lost connection the server may not
+        yet have noticed that our previous walsender is gone. A slot held by another consumer
+        for longer than that is a permanent error.
+        """
+        retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, SourceError)
+                                                     and e.sqlstate == "55006"),
+                            stop=stop_after_delay(_SLOT_RELEASE_SECONDS), wait=wait_fixed(0.5),
+                            reraise=True)
+        for attempt in retrying:
+            with attempt:
+                self._start(start_lsn)
+
+    def _start(self, start_lsn: LSN) -> None:
         self.flush_lsn = max(self.flush_lsn, start_lsn)
         self.received_lsn = max(self.received_lsn, start_lsn)
         command = (f"START_REPLICATION SLOT {_quote_ident(self.slot)} LOGICAL {start_lsn} "
@@ -157,13 +173,15 @@ class ReplicationStream:
             self._maybe_send_status()
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
-                wait = min(remaining, self.status_interval)
-                readable, _, _ = select.select([pgconn.socket], [], [], wait)
+                # Nothing complete in libpq's buffer: look at the socket (even with no time left,
+                # what has already arrived must be read in, or a zero timeout would spin).
+                remaining = max(deadline - time.monotonic(), 0.0)
+                readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
                 if readable:
                     pgconn.consume_input()
+                    continue
+                if remaining <= 0:
+                    return None
                 continue
             if nbytes < 0:
                 self._raise_stream_end()

@@ -1,0 +1,291 @@
+"""The fast apply path: row changes of one or more source transactions, folded and sent in bulk.
+
+Owns turning a sequence of row changes into few statements with a known outcome:
+- repeated updates of one row within the batch are folded into the last one (the earlier ones
+  are overwritten anyway; only a superset of their columns may replace them, and never across a
+  key change, a delete or a truncate of that table);
+- an insert followed by updates of the same row becomes one insert of the final row;
+- runs of inserts (same table, same columns) become multi-row INSERTs, runs of deletes by key one
+  ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
+- every statement carries the exact number of rows it must affect. With the idempotent policy a
+  conflict (an existing key on insert, a missing row on update or delete) shows up as a different
+  count; the caller then rolls the batch back and redoes that stretch on the careful, row-by-row
+  path, which resolves, counts and logs each conflict.
+
+Must never send anything itself (the pipeline does) or decide batch boundaries (the sink does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from operator import itemgetter
+
+from ..protocol.messages import KIND_BINARY, KIND_UNCHANGED, TupleData
+from .relations import RelationMapping, quote_ident
+from .statements import NEW, OLD, delete_sql, update_sql
+
+__all__ = ["Batch", "BatchStatement"]
+
+_INSERT, _UPDATE, _DELETE, _SQL = 0, 1, 2, 3
+#: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
+_LADDER = (1000, 100, 10, 1)
+_MAX_PARAMS = 65_000
+
+
+@dataclass(slots=True)
+class _Op:
+    kind: int
+    mapping: RelationMapping | None
+    row: TupleData | None          # new row (insert, update) or old row (delete)
+    old: TupleData | None          # update: the old key/row when sent
+    shape: tuple                   # what makes two ops share one statement
+    sql: str = ""                  # _SQL ops: a statement sent as is (TRUNCATE)
+
+
+@dataclass(slots=True)
+class BatchStatement:
+    """One statement to send: a cache key for its prepared form, SQL, values and the row count."""
+
+    cache_key: tuple | None        # None: send unprepared (rare statements)
+    sql: str
+    values: list[bytes | None]
+    formats: list[int]
+    expected_rows: int | None
+
+
+_ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
+#: Column kind bytes -> parameter formats (b -> 1 binary; t, n -> 0 text), one C call per row.
+_FORMATS = bytes(1 if i == KIND_BINARY else 0 for i in range(256))
+
+
+def _present(row: TupleData) -> tuple[int, ...]:
+    kinds = row.kinds
+    if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
+        width = len(kinds)
+        every = _ALL_COLUMNS.get(width)
+        if every is None:
+            every = _ALL_COLUMNS[width] = tuple(range(width))
+        return every
+    return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
+
+
+class Batch:
+    def __init__(self) -> None:
+        self._ops: list[_Op | None] = []
+        self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
+        self._key_getters: dict[int, Callable[[tuple], object]] = {}
+        self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
+        self.rows = 0
+        self.bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._ops)
+
+    def clear(self) -> None:
+        self._ops.clear()
+        self._last.clear()
+        self.rows = self.bytes = 0
+
+    def forget(self, relation_id: int) -> None:
+        """A relation's definition changed: drop what was derived from the old one."""
+        self._key_getters.pop(relation_id, None)
+        self._sql = {k: v for k, v in self._sql.items() if k[0][1] != relation_id}
+
+    # -- recording ------------------------------------------------------------------------------
+    def _count(self, row: TupleData) -> None:
+        self.rows += 1
+        values = row.values
+        if KIND_UNCHANGED in row.kinds:
+            self.bytes += sum(len(v) for v in values if type(v) is bytes)  # noqa: E721
+        else:
+            self.bytes += sum(map(len, filter(None, values)))  # type: ignore[arg-type]
+
+    def _key(self, mapping: RelationMapping, row: TupleData) -> tuple:
+        relation_id = mapping.relation.relation_id
+        getter = self._key_getters.get(relation_id)
+        if getter is None:
+            getter = self._key_getters[relation_id] = itemgetter(*mapping.key_positions)
+        return (relation_id, getter(row.values))
+
+    def insert(self, mapping: RelationMapping, new: TupleData) -> None:
+        self._count(new)
+        present = _present(new)
+        op = _Op(_INSERT, mapping, new, None, (_INSERT, mapping.relation.relation_id, present, True, True))
+        if mapping.key_positions and not mapping.full_identity:
+            self._last[self._key(mapping, new)] = len(self._ops)
+        self._ops.append(op)
+
+    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
+        self._count(new)
+        assigned = _present(new)
+        relation_id = mapping.relation.relation_id
+        if mapping.full_identity or not mapping.key_positions or old is not None:
+            # No key to fold on, or the key itself changed (the server sent the old key): this
+            # change stands alone and ends folding for both keys.
+            if old is not None and mapping.key_positions and not mapping.full_identity:
+                self._last.pop(self._key(mapping, old), None)
+                self._last.pop(self._key(mapping, new), None)
+            by_key = not mapping.full_identity
+            match = mapping.key_positions if by_key else _present(old)  # FULL always sends the old row
+            source = OLD if old is not None else NEW
+            self._ops.append(_Op(_UPDATE, mapping, new, old,
+                                 (_UPDATE, relation_id, assigned, source, match, by_key, False)))
+            return
+        key = self._key(mapping, new)
+        previous_index = self._last.get(key)
+        previous = self._ops[previous_index] if previous_index is not None else None
+        if previous is not None and previous.row is not None:
+            earlier = set(_present(previous.row))
+            if earlier <= set(assigned):
+                if previous.kind == _INSERT and len(assigned) == len(new.kinds):
+                    # Insert then update: insert the final row instead.
+                    previous.row = new
+                    previous.shape = (_INSERT, relation_id, assigned, True, True)
+                    return
+                if previous.kind == _UPDATE:
+                    self._ops[previous_index] = None  # overwritten by this one
+        self._last[key] = len(self._ops)
+        self._ops.append(_Op(_UPDATE, mapping, new, None,
+                             (_UPDATE, relation_id, assigned, NEW, mapping.key_positions, True, True)))
+
+    def delete(self, mapping: RelationMapping, old: TupleData) -> None:
+        self._count(old)
+        relation_id = mapping.relation.relation_id
+        if mapping.full_identity:
+            self._ops.append(_Op(_DELETE, mapping, old, None,
+                                 (_DELETE, relation_id, _present(old), False, False)))
+            return
+        self._last.pop(self._key(mapping, old), None)
+        self._ops.append(_Op(_DELETE, mapping, old, None,
+                             (_DELETE, relation_id, mapping.key_positions, True, True)))
+
+    def statement(self, sql: str) -> None:
+        """A statement that must run in order and ends all folding (TRUNCATE)."""
+        self._last.clear()
+        self._ops.append(_Op(_SQL, None, None, None, (_SQL, False), sql))
+
+    # -- emitting -------------------------------------------------------------------------------
+    def statements(self) -> Iterator[BatchStatement]:
+        """The batch as statements, in order, grouping consecutive ops of the same shape."""
+        run: list[_Op] = []
+        for op in self._ops:
+            if op is None:
+                continue
+            # shape[-1]: whether ops of that shape may share one multi-row statement.
+            if run and (op.shape != run[0].shape or not op.shape[-1]):
+                yield from self._emit(run)
+                run = []
+            run.append(op)
+        if run:
+            yield from self._emit(run)
+
+    def _emit(self, run: list[_Op]) -> Iterator[BatchStatement]:
+        first = run[0]
+        if first.kind == _SQL:
+            yield BatchStatement(None, first.sql, [], [], None)
+            return
+        per_row = self._params_per_row(first)
+        largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
+        position = 0
+        while position < len(run):
+            size = next(step for step in (largest, *_LADDER) if step <= largest and step <= len(run) - position)
+            chunk = run[position:position + size]
+            position += size
+            yield self._chunk(chunk)
+
+    @staticmethod
+    def _params_per_row(op: _Op) -> int:
+        shape = op.shape
+        if op.kind == _INSERT:
+            return len(shape[2])
+        if op.kind == _UPDATE:
+            return len(shape[2]) + len(shape[4])
+        return len(shape[2])
+
+    def _chunk(self, chunk: list[_Op]) -> BatchStatement:
+        first = chunk[0]
+        mapping = first.mapping
+        assert mapping is not None
+        values: list[bytes | None] = []
+        formats: list[int] = []
+        rows = len(chunk)
+        sql_key = (first.shape, rows)
+        sql = self._sql.get(sql_key)
+        if first.kind == _INSERT:
+            present = first.shape[2]
+            for op in chunk:
+                _collect(op.row, present, values, formats)
+            if sql is None:
+                sql = self._sql[sql_key] = _insert_sql(mapping, present, rows)
+        elif first.kind == _UPDATE:
+            _, _, assigned, source, key_positions, by_key, _ = first.shape
+            for op in chunk:
+                _collect(op.row, assigned, values, formats)
+                _collect(op.old if source == OLD else op.row, key_positions, values, formats)
+            if sql is None:
+                sql = self._sql[sql_key] = _update_sql(mapping, assigned, key_positions, rows, by_key)
+        else:
+            positions, by_key = first.shape[2], first.shape[3]
+            for op in chunk:
+                _collect(op.row, positions, values, formats)
+            if sql is None:
+                sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
+        return BatchStatement(sql_key, sql, values, formats, rows)
+
+
+def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],
+             formats: list[int]) -> None:
+    assert row is not None
+    row_values, kinds = row.values, row.kinds
+    if len(positions) == len(row_values):  # every column, in order
+        values.extend(row_values)  # type: ignore[arg-type]
+        formats.extend(kinds.translate(_FORMATS))
+        return
+    for i in positions:
+        values.append(row_values[i])  # type: ignore[arg-type]
+        formats.append(1 if kinds[i] == KIND_BINARY else 0)
+
+
+def _cast(mapping: RelationMapping, position: int, number: int) -> str:
+    return f"${number}::{mapping.target_columns[position].type_sql}"
+
+
+def _rows_of(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> str:
+    width = len(positions)
+    return ", ".join(
+        "(" + ", ".join(_cast(mapping, i, r * width + n) for n, i in enumerate(positions, 1)) + ")"
+        for r in range(rows))
+
+
+def _insert_sql(mapping: RelationMapping, present: tuple[int, ...], rows: int) -> str:
+    table = mapping.table
+    names = [mapping.target_columns[i].name for i in present]
+    sql = (f"INSERT INTO {table.sql_name} ({', '.join(map(quote_ident, names))}) "
+           f"VALUES {_rows_of(mapping, present, rows)}")
+    if table.unique_key and set(table.unique_key) <= set(names):
+        sql += f" ON CONFLICT ({', '.join(map(quote_ident, table.unique_key))}) DO NOTHING"
+    return sql
+
+
+def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
+                rows: int, by_key: bool) -> str:
+    table = mapping.table
+    if rows == 1:
+        return update_sql(mapping, assigned, key_positions, by_key)
+    columns = assigned + key_positions
+    aliases = [f"v{n}" for n in range(len(columns))]
+    sets = ", ".join(f"{quote_ident(mapping.target_columns[i].name)} = v.{aliases[n]}"
+                     for n, i in enumerate(assigned))
+    where = " AND ".join(f"t.{quote_ident(mapping.target_columns[i].name)} = v.{aliases[len(assigned) + n]}"
+                         for n, i in enumerate(key_positions))
+    return (f"UPDATE {table.sql_name} AS t SET {sets} FROM (VALUES {_rows_of(mapping, columns, rows)}) "
+            f"AS v({', '.join(aliases)}) WHERE {where}")
+
+
+def _delete_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int, by_key: bool) -> str:
+    if rows == 1:
+        return delete_sql(mapping, positions, by_key)
+    table = mapping.table
+    keys = ", ".join(quote_ident(mapping.target_columns[i].name) for i in positions)
+    return f"DELETE FROM {table.sql_name} WHERE ({keys}) IN ({_rows_of(mapping, positions, rows)})"

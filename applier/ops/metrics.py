@@ -1,0 +1,354 @@
+"""Telemetry of a running worker: Prometheus metrics, ``/healthz``, ``/readyz``, log context.
+
+Owns one small HTTP server thread (``--metrics-port``) and one probe thread. Metrics are read
+from the worker's own objects at scrape time by a custom collector (the applier's counters, the
+stream's positions and byte count, the assembler's memory and spill figures), so the replication
+hot path does no extra work; counters of ended sessions are folded into running totals so they
+never go backwards. The probe thread, every status interval, times one small query on each
+server over its own connections (round-trip times) and reads the source's WAL position and the
+target's progress row (lag). Must never touch the replication connection, the target session or
+the slot, and must never block the worker: it only reads attributes the worker thread writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry, exposition
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from sqlalchemy import Connection
+
+from ..apply.sink import TargetApplier
+from ..assembler import Assembler
+from ..config import ConfigError, Settings, mask_dsn
+from ..progress import make_engine
+from ..protocol.lsn import LSN
+from ..source import ReplicationStream, SourceError
+from .lag import Lag, LagLimit, measure_lag, parse_lag_limit
+from .logs import set_log_context
+from .status import done_position, read_progress, source_wal_position
+
+__all__ = ["Telemetry"]
+
+log = logging.getLogger(__name__)
+
+#: Row-change kinds ``TargetApplier.applied_counts`` counts (besides "transactions").
+ROW_KINDS = ("insert", "update", "delete", "truncate")
+
+
+@dataclass
+class _Probe:
+    """The latest probe results; replaced whole, so readers never see half an update."""
+
+    at: float                       # time.monotonic() of the probe
+    source_rtt: float | None
+    target_rtt: float | None
+    source_lsn: LSN | None
+    lag: Lag | None
+    error: str | None
+
+
+class Telemetry:
+    """What ``applier run`` exposes about itself. Inert unless ``start()`` is called with a port."""
+
+    def __init__(self, slot: str, *, source: str, target: str, port: int | None = None,
+                 address: str = "0.0.0.0", probe_interval: float = 10.0,
+                 ready_max_lag: LagLimit | None = None) -> None:
+        self.slot = slot
+        self._source_dsn = source
+        self._target_dsn = target
+        self.port = port
+        self.address = address
+        self.probe_interval = probe_interval
+        self.ready_max_lag = ready_max_lag
+        # The live session's objects (set by attach, cleared by detach).
+        self._stream: ReplicationStream | None = None
+        self._assembler: Assembler | None = None
+        self._applier: TargetApplier | None = None
+        # Totals of ended sessions, so counters stay monotonic across reconnects.
+        self._applied_base: Counter[str] = Counter()
+        self._conflicts_base: Counter[tuple[str, str]] = Counter()
+        self._bytes_base = 0
+        self._sessions = 0
+        self._last_lsn: LSN | None = None
+        self._last_xid: int | None = None
+        self._probe: _Probe | None = None
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._server: ThreadingHTTPServer | None = None
+        self._threads: list[threading.Thread] = []
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_WorkerCollector(self))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, slot: str) -> Telemetry:
+        values = settings.values
+        limit = values.get("ready_max_lag")
+        return cls(slot, source=values["source"], target=values["target"],
+                   port=values.get("metrics_port"), address=values.get("metrics_address") or "0.0.0.0",
+                   probe_interval=float(values.get("status_interval") or 10),
+                   ready_max_lag=parse_lag_limit(limit, "ready_max_lag") if limit else None)
+
+    # -- worker side ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Register the log context; serve metrics and probe when a port is configured."""
+        set_log_context(self.log_fields)
+        if self.port is None:
+            return
+        try:
+            self._server = ThreadingHTTPServer((self.address, self.port), _handler(self))
+        except OSError as exc:
+            raise ConfigError(f"metrics_port: cannot listen on {self.address}:{self.port}: "
+                              f"{exc.strerror or exc}") from None
+        self._server.daemon_threads = True
+        self._threads = [threading.Thread(target=self._server.serve_forever, name="applier-metrics",
+                                          daemon=True),
+                         threading.Thread(target=self._probe_loop, name="applier-probe", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        log.info("metrics on http://%s:%d/metrics (also /healthz, /readyz)", self.address,
+                 self._server.server_address[1])
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port actually listened on (``--metrics-port 0`` picks a free one)."""
+        return self._server.server_address[1] if self._server else None
+
+    def close(self) -> None:
+        """Stop serving. The log context stays: the worker's last error line still needs it."""
+        self._stopping.set()
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._threads = []
+
+    def attach(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier) -> None:
+        """A session is streaming with these objects."""
+        with self._lock:
+            self._stream, self._assembler, self._applier = stream, assembler, applier
+            self._sessions += 1
+
+    def detach(self) -> None:
+        """The session ended: fold its counters into the totals, keep its last LSN and xid."""
+        with self._lock:
+            if self._applier is not None:
+                self._applied_base.update(self._applier.applied_counts)
+                self._conflicts_base.update(self._applier.conflicts)
+                self._last_xid = self._applier.current_xid
+            if self._stream is not None:
+                self._bytes_base += self._stream.bytes_received
+                self._last_lsn = self._stream.received_lsn
+            self._stream = self._assembler = self._applier = None
+
+    def log_fields(self) -> dict[str, Any]:
+        """Slot, last received source LSN and the xid being applied, for every log record."""
+        stream, applier = self._stream, self._applier
+        if stream is None:
+            return {"slot": self.slot, "lsn": self._last_lsn, "xid": self._last_xid}
+        return {"slot": self.slot, "lsn": stream.received_lsn,
+                "xid": applier.current_xid if applier is not None else None}
+
+    # -- observers ------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Every figure the collector exports, read consistently with attach/detach."""
+        with self._lock:
+            stream, assembler, applier = self._stream, self._assembler, self._applier
+            applied = Counter(self._applied_base)
+            conflicts = Counter(self._conflicts_base)
+            received = self._bytes_base
+            if applier is not None:
+                applied.update(dict(applier.applied_counts))  # dict(): an atomic copy
+                conflicts.update(dict(applier.conflicts))
+            if stream is not None:
+                received += stream.bytes_received
+            return {
+                "applied": applied, "conflicts": conflicts, "bytes_received": received,
+                "reconnects": max(0, self._sessions - 1), "connected": self._connected(stream),
+                "received_lsn": stream.received_lsn if stream else None,
+                "confirmed_lsn": stream.flush_lsn if stream else None,
+                "open_streamed": len(assembler.open_streamed_xids) if assembler else 0,
+                "memory_bytes": assembler.memory_bytes if assembler else 0,
+                "spilled_bytes": _retry(lambda: assembler.spilled_bytes) if assembler else 0,
+                "probe": self._probe,
+            }
+
+    @staticmethod
+    def _connected(stream: ReplicationStream | None) -> bool:
+        if stream is None:
+            return False
+        try:
+            return not stream.connection.closed
+        except SourceError:  # not connected yet, or closed
+            return False
+
+    def readiness(self) -> tuple[bool, str]:
+        """Ready = streaming, the last probe reached both servers, and lag within the limit."""
+        if not self._connected(self._stream):
+            return False, "not connected to the source"
+        probe = self._probe
+        if probe is None:
+            return False, "no probe yet"
+        if probe.error is not None:
+            return False, f"probe failed: {probe.error}"
+        if self.ready_max_lag is not None and probe.lag is not None and self.ready_max_lag.exceeded_by(probe.lag):
+            return False, f"lag {_describe(probe.lag)} exceeds {self.ready_max_lag.text}"
+        return True, "ready" + (f": lag {_describe(probe.lag)}" if probe.lag else "")
+
+    # -- probe thread ---------------------------------------------------------------------------
+    def _probe_loop(self) -> None:
+        source: Connection | None = None
+        target: Connection | None = None
+        while not self._stopping.is_set():
+            try:
+                if source is None:
+                    source = make_engine(self._source_dsn).connect()
+                if target is None:
+                    target = make_engine(self._target_dsn).connect()
+                self._probe = self._probe_once(source, target)
+            except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
+                self._probe = _Probe(time.monotonic(), None, None, None, None,
+                                     mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
+                for conn in (source, target):
+                    if conn is not None:
+                        try:
+                            conn.close()
+                        except Exception:  # noqa: BLE001 - it is being discarded anyway
+                            pass
+                source = target = None
+            self._stopping.wait(self.probe_interval)
+        for conn in (source, target):
+            if conn is not None:
+                conn.close()
+
+    def _probe_once(self, source: Connection, target: Connection) -> _Probe:
+        started = time.perf_counter()
+        _, source_lsn = source_wal_position(source)
+        source.rollback()  # end the implicit transaction: the next probe sees new WAL
+        source_rtt = time.perf_counter() - started
+        started = time.perf_counter()
+        progress = read_progress(target, self.slot, {"progress"})
+        target.rollback()
+        target_rtt = time.perf_counter() - started
+        stream = self._stream
+        lag = measure_lag(source_lsn, done_position(progress, stream.flush_lsn if stream else None),
+                          progress.commit_time if progress else None, datetime.now(timezone.utc))
+        return _Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
+
+
+def _retry(read):  # noqa: ANN001, ANN202 - a no-argument reader of worker state
+    # Iterating a dict the worker thread is resizing raises RuntimeError; the next try succeeds.
+    for _ in range(10):
+        try:
+            return read()
+        except RuntimeError:
+            continue
+    return 0
+
+
+def _describe(lag: Lag) -> str:
+    seconds = "unknown" if lag.seconds is None else f"{lag.seconds:.1f}s"
+    return f"{lag.bytes} bytes / {seconds}"
+
+
+class _WorkerCollector(Collector):
+    """Builds the metric families from ``Telemetry.snapshot()`` at each scrape."""
+
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.telemetry.snapshot()
+        slot = self.telemetry.slot
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=["slot"])
+            family.add_metric([slot], value)
+            return family
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=["slot"])
+            if value is not None:
+                family.add_metric([slot], value)
+            return family
+
+        applied = snap["applied"]
+        yield counter("applier_transactions_applied", "Source transactions committed on the target.",
+                      applied["transactions"])
+        rows = CounterMetricFamily("applier_rows_applied", "Row changes applied, by type "
+                                   "(truncate counts statements).", labels=["slot", "type"])
+        for kind in ROW_KINDS:
+            rows.add_metric([slot, kind], applied[kind])
+        yield rows
+        conflicts = CounterMetricFamily("applier_conflicts", "Conflicts resolved while applying, "
+                                        "by table and type.", labels=["slot", "table", "type"])
+        for (table, kind), count in sorted(snap["conflicts"].items()):
+            conflicts.add_metric([slot, table, kind], count)
+        yield conflicts
+        yield counter("applier_received_bytes", "Bytes received on the replication connection.",
+                      snap["bytes_received"])
+        yield counter("applier_reconnects", "Replication sessions started after the first one.",
+                      snap["reconnects"])
+        yield gauge("applier_connected", "1 while streaming from the source.", int(snap["connected"]))
+        yield gauge("applier_received_lsn", "Highest source WAL position received.",
+                    snap["received_lsn"])
+        yield gauge("applier_confirmed_lsn", "Source WAL position confirmed to the slot (durable "
+                    "on the target).", snap["confirmed_lsn"])
+        yield gauge("applier_open_streamed_transactions", "Streamed transactions received and not "
+                    "yet committed or aborted.", snap["open_streamed"])
+        yield gauge("applier_streamed_memory_bytes", "Memory held by open streamed transactions.",
+                    snap["memory_bytes"])
+        yield gauge("applier_spilled_bytes", "Bytes of open streamed transactions spilled to disk.",
+                    snap["spilled_bytes"])
+        probe: _Probe | None = snap["probe"]
+        ok = probe is not None and probe.error is None
+        yield gauge("applier_apply_lag_bytes", "Source WAL not yet applied or confirmed.",
+                    probe.lag.bytes if ok and probe.lag else None)
+        yield gauge("applier_apply_lag_seconds", "Upper bound on how far the replica is behind "
+                    "in time (0 when caught up).",
+                    probe.lag.seconds if ok and probe.lag else None)
+        yield gauge("applier_source_rtt_seconds", "Round-trip time of a small query on the source.",
+                    probe.source_rtt if ok else None)
+        yield gauge("applier_target_rtt_seconds", "Round-trip time of a small query on the target.",
+                    probe.target_rtt if ok else None)
+        yield gauge("applier_probe_ok", "1 when the last probe reached both servers.", int(ok))
+
+
+def _handler(telemetry: Telemetry) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body = exposition.generate_latest(telemetry.registry)
+                self._reply(200, body, exposition.CONTENT_TYPE_LATEST)
+            elif path == "/healthz":
+                # Live = the process answers. A worker waiting to reconnect is live too: restarting
+                # it would not help, and /readyz says it is not streaming.
+                self._reply(200, b"ok\n")
+            elif path == "/readyz":
+                ready, reason = telemetry.readiness()
+                self._reply(200 if ready else 503, f"{reason}\n".encode())
+            else:
+                self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
+
+        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+            return
+
+    return Handler

@@ -1,0 +1,249 @@
+"""Apply throughput: applier against PostgreSQL's own subscriber, draining the same backlog.
+
+Owns nothing the product uses; it only measures. One source and one target server (throwaway,
+``applier.embedded``, the same settings for both contenders). For each workload it prepares a
+fresh source database and two identical target databases, creates two slots at the same point,
+writes the workload on the source (the backlog accumulates in both slots), then drains one slot
+with ``applier run --exit-when-caught-up`` and the other with a native ``CREATE SUBSCRIPTION``
+(``copy_data = false`` on the pre-made slot), verifies both targets equal the source, and prints
+elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and the target's
+physical ceiling (binary COPY of the same rows).
+
+    .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+from psycopg import sql  # noqa: E402
+
+from applier.embedded import Database, PostgresServer, ServerSettings, start_server  # noqa: E402
+
+#: Durable targets, as in production: the commit path is part of what is measured.
+TARGET_SETTINGS = ServerSettings.target(fsync="on", full_page_writes="on")
+SOURCE_SETTINGS = ServerSettings.source(max_wal_size="4GB")
+
+
+@dataclass
+class Workload:
+    name: str
+    setup_sql: str                       # schema and initial rows, run on the source and both targets
+    write: Callable[[Database], None]    # the backlog, written on the source
+    rows: int                            # row changes in the backlog
+    transactions: int
+    tables: tuple[str, ...]
+    decoding_work_mem: str = "64MB"      # the walsender's logical_decoding_work_mem
+    pgbench_init: bool = False
+
+
+@dataclass
+class Result:
+    seconds: float
+    peak_mb: float | None = None
+    equal: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def _pgbench(db: Database, *args: str) -> None:
+    server = db.cluster
+    subprocess.run([str(server.pgbench_path), *args, "-h", server.host, "-p", str(server.port),
+                    "-U", "postgres", db.name], check=True, capture_output=True)
+
+
+def workloads(scale: float) -> list[Workload]:
+    oltp = max(int(50_000 * scale), 100)
+    bulk = max(int(1_000_000 * scale), 1000)
+    small = max(int(100_000 * scale), 100)
+    table = ("CREATE TABLE items (id int PRIMARY KEY, qty int NOT NULL, label text, "
+             "seen timestamptz, price numeric(12, 2))")
+    fill = ("INSERT INTO items SELECT g, g % 1000, 'item ' || g, timestamptz '2024-01-01' + g * "
+            "interval '1 s', g / 100.0 FROM generate_series(1, {n}) g")
+
+    def write_oltp(db: Database) -> None:
+        _pgbench(db, "-n", "-c", "1", "-t", str(oltp))
+
+    def write_bulk(db: Database) -> None:
+        db.execute(fill.format(n=bulk))
+
+    def write_small(db: Database) -> None:
+        script = Path(os.environ.get("TMPDIR", "/tmp")) / "applier-bench-small.sql"
+        script.write_text("INSERT INTO small (note) VALUES ('one row, one transaction');\n")
+        _pgbench(db, "-n", "-c", "1", "-t", str(small), "-f", str(script))
+
+    def write_upddel(db: Database) -> None:
+        db.execute("UPDATE items SET qty = qty + 1, label = label || '+'")
+        db.execute("DELETE FROM items WHERE id % 2 = 0")
+
+    return [
+        Workload("oltp (pgbench TPC-B)", "", write_oltp, oltp * 4, oltp,
+                 ("pgbench_accounts", "pgbench_tellers", "pgbench_branches", "pgbench_history"),
+                 pgbench_init=True),
+        Workload("bulk, 1 transaction", table, write_bulk, bulk, 1, ("items",), "1GB"),
+        Workload("bulk, streamed", table, write_bulk, bulk, 1, ("items",), "1MB"),
+        Workload("small transactions", "CREATE TABLE small (id bigserial PRIMARY KEY, note text)",
+                 write_small, small, small, ("small",)),
+        Workload("updates + deletes by key", table + ";" + fill.format(n=bulk), write_upddel,
+                 bulk + bulk // 2, 2, ("items",)),
+    ]
+
+
+def _digest(db: Database, table: str) -> tuple[int, str]:
+    row = db.query(f"SELECT count(*), coalesce(md5(string_agg(t::text, '|' ORDER BY t::text)), '') "
+                   f"FROM {table} t")[0]
+    return int(row[0]), str(row[1])
+
+
+def _same(source: Database, target: Database, tables: Sequence[str]) -> bool:
+    return all(_digest(source, t) == _digest(target, t) for t in tables)
+
+
+def _with_work_mem(dsn: str, work_mem: str) -> str:
+    return f"{dsn}?options=-c%20logical_decoding_work_mem%3D{work_mem}"
+
+
+def drain_ours(source: Database, target: Database, slot: str, work_mem: str) -> Result:
+    command = [sys.executable, "-m", "applier", "run", "--source", _with_work_mem(source.dsn, work_mem),
+               "--target", target.dsn, "--slot", slot, "--publication", "bench",
+               "--exit-when-caught-up", "--log-level", "WARNING"]
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=ROOT)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.monotonic() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"applier run failed with status {proc.returncode}")
+    return Result(elapsed, peak_mb=usage.ru_maxrss / 1024)
+
+
+def drain_native(source: Database, target: Database, slot: str, work_mem: str, end_lsn: str) -> Result:
+    conninfo = f"host={source.cluster.host} port={source.cluster.port} user=postgres dbname={source.name} " \
+               f"options='-c logical_decoding_work_mem={work_mem}'"
+    with target.connect() as conn:
+        conn.execute(sql.SQL("CREATE SUBSCRIPTION bench_native CONNECTION {} PUBLICATION bench WITH "
+                             "(create_slot = false, slot_name = {}, copy_data = false, enabled = false)")
+                     .format(sql.Literal(conninfo), sql.Literal(slot)))
+        origin = conn.execute("SELECT 'pg_' || oid FROM pg_subscription WHERE subname = 'bench_native'").fetchone()[0]
+        started = time.monotonic()
+        conn.execute("ALTER SUBSCRIPTION bench_native ENABLE")
+        while True:
+            done = conn.execute("SELECT remote_lsn >= %s::pg_lsn FROM pg_replication_origin_status "
+                                "WHERE external_id = %s", (end_lsn, origin)).fetchone()
+            if done and done[0]:
+                break
+            time.sleep(0.02)
+        elapsed = time.monotonic() - started
+        conn.execute("ALTER SUBSCRIPTION bench_native DISABLE")
+        conn.execute("ALTER SUBSCRIPTION bench_native SET (slot_name = NONE)")
+        conn.execute("DROP SUBSCRIPTION bench_native")
+    return Result(elapsed)
+
+
+def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> tuple[float, int]:
+    """(seconds, rows) to binary-COPY the source's rows of ``tables`` into empty copies on the target."""
+    total = 0.0
+    rows = 0
+    with source.connect() as src, target.connect() as tgt:
+        for table in tables:
+            tgt.execute(f"CREATE TABLE ceiling_copy (LIKE {table} INCLUDING ALL)")
+            data = bytearray()
+            with src.cursor().copy(f"COPY {table} TO STDOUT (FORMAT binary)") as out:
+                for chunk in out:
+                    data += chunk
+            started = time.monotonic()
+            with tgt.transaction(), tgt.cursor().copy("COPY ceiling_copy FROM STDIN (FORMAT binary)") as into:
+                into.write(bytes(data))
+            total += time.monotonic() - started
+            rows += tgt.execute("SELECT count(*) FROM ceiling_copy").fetchone()[0]
+            tgt.execute("DROP TABLE ceiling_copy")
+    return total, rows
+
+
+def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
+                 index: int) -> tuple[Result, Result, tuple[float, int]]:
+    source = source_server.create_database(f"bench_src_{index}")
+    ours = target_server.create_database(f"bench_ours_{index}")
+    native = target_server.create_database(f"bench_native_{index}")
+    for db in (source, ours, native):
+        if workload.pgbench_init:
+            _pgbench(db, "-i", "-s", "1", "-q")
+        if workload.setup_sql:
+            db.execute(workload.setup_sql)
+    tables = ", ".join(workload.tables)
+    source.execute(f"CREATE PUBLICATION bench FOR TABLE {tables}")
+    source.execute("SELECT pg_create_logical_replication_slot('bench_ours', 'pgoutput')")
+    source.execute("SELECT pg_create_logical_replication_slot('bench_native', 'pgoutput')")
+    print(f"  writing the backlog on the source ...", flush=True)
+    workload.write(source)
+    end_lsn = source.query("SELECT pg_current_wal_lsn()::text")[0][0]
+    source.execute("CHECKPOINT")
+    target_server_checkpoint(target_server)
+    print(f"  draining with applier ...", flush=True)
+    mine = drain_ours(source, ours, "bench_ours", workload.decoding_work_mem)
+    target_server_checkpoint(target_server)
+    print(f"  draining with CREATE SUBSCRIPTION ...", flush=True)
+    theirs = drain_native(source, native, "bench_native", workload.decoding_work_mem, end_lsn)
+    mine.equal = _same(source, ours, workload.tables)
+    theirs.equal = _same(source, native, workload.tables)
+    ceiling = copy_ceiling(source, ours, workload.tables)
+    for db in (source, ours, native):
+        db.cluster.drop_database(db.name)
+    return mine, theirs, ceiling
+
+
+def target_server_checkpoint(server: PostgresServer) -> None:
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        conn.execute("CHECKPOINT")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18)
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every workload's size (1.0 = the sizes in the issue)")
+    parser.add_argument("--only", default="", help="comma-separated workload name prefixes")
+    args = parser.parse_args(argv)
+    chosen = [w for w in workloads(args.scale)
+              if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
+    print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores) ...", flush=True)
+    source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src")
+    target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
+    rows = []
+    try:
+        for index, workload in enumerate(chosen):
+            print(f"{workload.name}: {workload.rows:,} row changes in {workload.transactions:,} transactions",
+                  flush=True)
+            rows.append((workload, *run_workload(workload, source_server, target_server, index)))
+    finally:
+        source_server.cleanup()
+        target_server.cleanup()
+    print(f"\n{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
+          f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}")
+    ok = True
+    for workload, mine, theirs, ceiling in rows:
+        for name, result in (("applier", mine), ("native", theirs)):
+            ratio = f"{theirs.seconds / mine.seconds:.2f}x" if name == "applier" else ""
+            peak = f"{result.peak_mb:.0f}" if result.peak_mb else ""
+            print(f"{workload.name:<26} {name:<10} {result.seconds:>8.2f} "
+                  f"{workload.rows / result.seconds:>10,.0f} {workload.transactions / result.seconds:>9,.0f} "
+                  f"{ratio:>11} {peak:>8} {str(result.equal):>6}")
+            ok &= result.equal
+        seconds, copied = ceiling
+        print(f"{'':<26} {'COPY':<10} {seconds:>8.2f} {copied / seconds if seconds else 0:>10,.0f}"
+              f"   (target's physical ceiling: binary COPY of the {copied:,} final rows)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

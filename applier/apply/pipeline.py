@@ -40,6 +40,11 @@ class RowCountMismatch(Exception):
     """A statement affected another number of rows than expected (a conflict somewhere)."""
 
 
+def _abbreviate(sql: str, limit: int = 160) -> str:
+    """Statement text for messages: multi-row statements run to many kilobytes."""
+    return sql if len(sql) <= limit else f"{sql[:limit]}... ({len(sql)} characters)"
+
+
 @dataclass(slots=True)
 class _Queued:
     what: str                # for error messages: the SQL text
@@ -70,20 +75,20 @@ class Pipeline:
     # -- sending ----------------------------------------------------------------------------------
     def prepare(self, name: bytes, sql: str) -> None:
         self.pgconn.send_prepare(name, sql.encode())
-        self._queued.append(_Queued(f"preparing {sql}", None))
+        self._queued.append(_Queued(f"preparing {_abbreviate(sql)}", None))
         self._flush()
 
     def send_prepared(self, name: bytes, sql: str, values: Sequence[bytes | None],
                       formats: Sequence[int], expected_rows: int | None = None) -> None:
         self.pgconn.send_query_prepared(name, values, formats)
-        self._queued.append(_Queued(sql, expected_rows))
+        self._queued.append(_Queued(_abbreviate(sql), expected_rows))
         self._flush()
 
     def send(self, sql: str, values: Sequence[bytes | None] | None = None,
              expected_rows: int | None = None,
              on_value: Callable[[bytes | None], None] | None = None) -> None:
         self.pgconn.send_query_params(sql.encode(), values or None)
-        self._queued.append(_Queued(sql, expected_rows, on_value))
+        self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
         self._flush()
 
     def sync(self) -> None:

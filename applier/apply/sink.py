@@ -8,6 +8,7 @@ restart) and is skipped whole.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter
@@ -100,6 +101,7 @@ class TargetApplier:
         self._batch_last: TransactionEnd | None = None
         self._batch_started = 0.0
         self._batch_statements: dict[tuple, bytes] = {}
+        self._batch_names = itertools.count(1)  # never reused: dropped shapes stay prepared
         self._fast = False                # the current source transaction uses the fast path
         self.relations: dict[int, Relation] = {}
         self._mappings: dict[int, RelationMapping] = {}
@@ -242,7 +244,7 @@ class TargetApplier:
                 continue
             name = self._batch_statements.get(statement.cache_key)
             if name is None:
-                name = self._batch_statements[statement.cache_key] = f"applier_b{len(self._batch_statements) + 1}".encode()
+                name = self._batch_statements[statement.cache_key] = f"applier_b{next(self._batch_names)}".encode()
                 pipeline.prepare(name, statement.sql)
             pipeline.send_prepared(name, statement.sql, statement.values, statement.formats,
                                    statement.expected_rows)

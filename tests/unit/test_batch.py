@@ -1,0 +1,99 @@
+"""The fast path's batch: folding of repeated row changes, grouping into multi-row statements,
+and the exact row counts every statement must affect."""
+
+from __future__ import annotations
+
+from applier.apply.batch import Batch
+from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
+from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
+
+
+def _mapping(identity: str = "d", relation_id: int = 1) -> RelationMapping:
+    relation = Relation(None, relation_id, "public", "t", identity, (
+        RelationColumn(1, "id", 23, -1), RelationColumn(0, "v", 25, -1), RelationColumn(0, "big", 25, -1)))
+    columns = {name: TargetColumn(name, kind, False, True)
+               for name, kind in (("id", "integer"), ("v", "text"), ("big", "text"))}
+    return map_relation(relation, TargetTable("public", "t", columns, ("id",), False))
+
+
+def _row(*values: bytes | None | object) -> TupleData:
+    kinds = bytes(ord("n") if v is None else ord("u") if v is UNCHANGED_TOAST else ord("t") for v in values)
+    return TupleData(kinds, tuple(values))  # type: ignore[arg-type]
+
+
+def test_repeated_updates_of_one_row_fold_into_the_last() -> None:
+    batch, mapping = Batch(), _mapping()
+    for n in range(5):
+        batch.update(mapping, _row(b"1", str(n).encode(), b"x"), None)
+    for key in range(2, 11):  # nine other rows: ten distinct rows in all, one multi-row statement
+        batch.update(mapping, _row(str(key).encode(), b"other", b"y"), None)
+    (statement,) = batch.statements()
+    assert statement.expected_rows == 10
+    assert statement.values[:8] == [b"1", b"4", b"x", b"1", b"2", b"other", b"y", b"2"]
+    assert statement.sql.startswith('UPDATE "public"."t" AS t SET')
+
+
+def test_insert_then_updates_becomes_one_insert_of_the_final_row() -> None:
+    batch, mapping = Batch(), _mapping()
+    batch.insert(mapping, _row(b"1", b"a", b"x"))
+    batch.update(mapping, _row(b"1", b"b", b"x"), None)
+    batch.update(mapping, _row(b"1", b"c", b"z"), None)
+    (statement,) = batch.statements()
+    assert statement.sql.startswith('INSERT INTO "public"."t"')
+    assert "ON CONFLICT" in statement.sql
+    assert statement.values == [b"1", b"c", b"z"] and statement.expected_rows == 1
+
+
+def test_an_update_with_fewer_columns_does_not_replace_an_earlier_one() -> None:
+    batch, mapping = Batch(), _mapping()
+    batch.update(mapping, _row(b"1", b"a", b"big value"), None)
+    batch.update(mapping, _row(b"1", b"b", UNCHANGED_TOAST), None)  # big unchanged: keep the first
+    statements = list(batch.statements())
+    assert [s.expected_rows for s in statements] == [1, 1]
+    assert b"big value" in statements[0].values
+
+
+def test_delete_and_key_change_end_folding() -> None:
+    batch, mapping = Batch(), _mapping()
+    batch.update(mapping, _row(b"1", b"a", b"x"), None)
+    batch.delete(mapping, _row(b"1", None, None))
+    batch.insert(mapping, _row(b"1", b"again", b"x"))
+    batch.update(mapping, _row(b"9", b"moved", b"x"), _row(b"1", None, None))  # key 1 -> 9
+    batch.update(mapping, _row(b"9", b"after", b"x"), None)
+    kinds = [s.sql.split()[0] for s in batch.statements()]
+    assert kinds == ["UPDATE", "DELETE", "INSERT", "UPDATE", "UPDATE"]
+
+
+def test_runs_become_multi_row_statements_in_a_small_ladder_of_sizes() -> None:
+    batch, mapping = Batch(), _mapping()
+    for n in range(1234):
+        batch.insert(mapping, _row(str(n).encode(), b"v", None))
+    for n in range(12):
+        batch.delete(mapping, _row(str(n).encode(), None, None))
+    statements = list(batch.statements())
+    sizes = [(s.sql.split()[0], s.expected_rows) for s in statements]
+    assert sizes == [("INSERT", 1000), ("INSERT", 100), ("INSERT", 100), ("INSERT", 10),
+                     ("INSERT", 10), ("INSERT", 10), ("INSERT", 1), ("INSERT", 1), ("INSERT", 1),
+                     ("INSERT", 1), ("DELETE", 10), ("DELETE", 1), ("DELETE", 1)]
+    assert sum(s.expected_rows for s in statements if s.sql.startswith("INSERT")) == 1234
+    assert len({s.cache_key for s in statements}) == 6  # one prepared form per (shape, size)
+
+
+def test_full_identity_changes_stand_alone_and_truncate_orders_everything() -> None:
+    batch, full = Batch(), _mapping("f")
+    batch.update(full, _row(b"1", b"b", b"x"), _row(b"1", b"a", b"x"))
+    batch.update(full, _row(b"1", b"c", b"x"), _row(b"1", b"b", b"x"))
+    batch.statement('TRUNCATE "public"."t"')
+    batch.delete(full, _row(b"1", b"c", b"x"))
+    statements = list(batch.statements())
+    assert [s.expected_rows for s in statements] == [1, 1, None, 1]
+    assert "ctid" in statements[0].sql and statements[2].sql == 'TRUNCATE "public"."t"'
+
+
+def test_row_and_byte_counts_bound_the_batch() -> None:
+    batch, mapping = Batch(), _mapping()
+    batch.insert(mapping, _row(b"1", b"abc", None))
+    batch.update(mapping, _row(b"1", b"abcd", UNCHANGED_TOAST), None)
+    assert batch.rows == 2 and batch.bytes == (1 + 3) + (1 + 4)
+    batch.clear()
+    assert not batch and batch.rows == 0

@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import signal
 import tempfile
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -84,6 +85,7 @@ from .ops.metrics import Telemetry
 from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
 from .protocol import LSN, DecodeError, decode
 from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
+from .source.stream import classify, is_permanent
 from .source.slots import create_slot, publications_missing, slot_info
 
 __all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
@@ -111,7 +113,7 @@ def _transient(exc: BaseException) -> bool:
         return not exc.permanent
     if isinstance(exc, (TargetError, ApplyError)):
         return exc.transient
-    return isinstance(exc, psycopg.OperationalError)
+    return isinstance(exc, psycopg.OperationalError) and not is_permanent(exc)
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -137,6 +139,7 @@ class Worker:
         self._unflushed: deque[tuple[LSN, LSN]] = deque()
         self._failures_without_progress = 0
         self._progressed = False
+        self._stopping = threading.Event()
         # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
         self.telemetry = Telemetry.from_settings(settings, self.slot)
 
@@ -165,6 +168,7 @@ class Worker:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.info("received %s: stopping after the current message", signal.Signals(signum).name)
         self.stop_requested = True
+        self._stopping.set()  # also ends a backoff sleep at once
 
     def _backoff(self, state: RetryCallState) -> float:
         """Exponential backoff over consecutive failures without progress; none before a careful
@@ -180,7 +184,8 @@ class Worker:
 
     def _with_retry(self, func) -> None:  # noqa: ANN001 - a no-argument callable
         retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_never,
-                            wait=self._backoff, reraise=True, before_sleep=_log_retry)
+                            wait=self._backoff, reraise=True, before_sleep=_log_retry,
+                            sleep=self._stopping.wait)
         for attempt in retrying:
             with attempt:
                 if self.stop_requested:
@@ -196,7 +201,11 @@ class Worker:
         target = TargetSession(settings.target, application_name=f"applier {self.slot}",
                                synchronous_commit=settings.synchronous_commit)
         self._unflushed.clear()
-        control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
+        try:
+            control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
+        except psycopg.Error as exc:
+            target.close()
+            raise classify(exc) from exc
         stream: ReplicationStream | None = None
         assembler: Assembler | None = None
         applier: TargetApplier | None = None
@@ -361,6 +370,7 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError) as exc:
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError,
+            psycopg.OperationalError) as exc:
         log.error("%s", exc)
         return 1

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import psycopg
 from psycopg import pq
 
+from ..source.stream import is_permanent
 from .statements import Statement
 
 __all__ = ["TargetSession", "TargetError"]
@@ -36,8 +37,9 @@ class TargetSession:
         try:
             self.conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
         except psycopg.OperationalError as exc:
+            # Authentication and a missing database need an operator; anything else may pass.
             raise TargetError(f"target: cannot connect: {str(exc).strip()}", sqlstate=exc.sqlstate,
-                              transient=True) from exc
+                              transient=not is_permanent(exc)) from exc
         self.pgconn = self.conn.pgconn
         self._prepared: set[bytes] = set()
         try:

@@ -6,11 +6,14 @@ import zlib
 from pathlib import Path
 
 import psycopg
+import sqlalchemy.exc
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
+from ..apply.session import TargetError
+from ..source.stream import is_permanent
 from ..apply.sink import AppliedPosition
 from ..protocol.lsn import LSN
 
@@ -60,6 +63,11 @@ def upgrade_schema(engine: Engine) -> None:
                 conn.execute(text("CREATE SCHEMA applier"))
             config.attributes["connection"] = conn
             command.upgrade(config, "head")
+    except sqlalchemy.exc.OperationalError as exc:  # the connection, not the schema
+        orig = exc.orig if isinstance(exc.orig, psycopg.Error) else None
+        raise TargetError(f"target: {str(exc.orig or exc).strip()}",
+                          sqlstate=getattr(orig, "sqlstate", None),
+                          transient=orig is None or not is_permanent(orig)) from exc
     except Exception as exc:  # alembic and SQLAlchemy raise many types; one clear message
         raise SchemaError(f"target: cannot create or upgrade the applier bookkeeping schema: {exc}. "
                           "The target role needs CREATE on the database (or an existing applier "

@@ -22,7 +22,8 @@ from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 from ..protocol.lsn import LSN, PG_EPOCH
 from .options import StreamOptions
 
-__all__ = ["ReplicationStream", "SourceError", "XLogData", "replication_conninfo"]
+__all__ = ["ReplicationStream", "SourceError", "XLogData", "classify", "is_permanent",
+           "replication_conninfo"]
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +74,24 @@ def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
     return make_conninfo(**params)
 
 
+#: libpq's own words for connection failures an operator must fix (no SQLSTATE reaches the
+#: client when the server refuses a connection during start-up).
+_PERMANENT_CONNECTION_FAILURES = ("authentication failed", "does not exist", "no pg_hba.conf entry",
+                                  "permission denied", "password is required")
+
+
+def is_permanent(exc: psycopg.Error) -> bool:
+    """Retrying cannot help: bad credentials, a missing role/database/slot/publication..."""
+    sqlstate = getattr(exc, "sqlstate", None)
+    if sqlstate is not None:
+        return sqlstate in PERMANENT_SQLSTATES
+    text = str(exc)
+    return any(words in text for words in _PERMANENT_CONNECTION_FAILURES)
+
+
 def classify(exc: psycopg.Error) -> SourceError:
     sqlstate = getattr(exc, "sqlstate", None)
-    permanent = sqlstate in PERMANENT_SQLSTATES
+    permanent = is_permanent(exc)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return SourceError(f"source: {text}", permanent=permanent, sqlstate=sqlstate)
 

@@ -1,0 +1,61 @@
+"""Progress bookkeeping: concurrent schema upgrades, idle slots never holding WAL back, and
+authentication failures as clear permanent errors."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+from replication import REPO, create_slot, start_worker, stop_worker, wait_for, worker_command
+
+from applier.progress import make_engine, upgrade_schema
+
+pytestmark = pytest.mark.server
+
+
+def test_two_workers_starting_at_once_upgrade_the_schema_once(target_db) -> None:
+    errors: list[BaseException] = []
+
+    def upgrade() -> None:
+        try:
+            upgrade_schema(make_engine(target_db.dsn))
+        except BaseException as exc:  # collected for the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=upgrade) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert errors == []
+    assert target_db.query("SELECT count(*) FROM applier.alembic_version") == [(1,)]
+
+
+def test_writes_to_unpublished_tables_do_not_hold_the_slot_back(source_db, target_db, tmp_path: Path) -> None:
+    source_db.execute("CREATE TABLE published (id int PRIMARY KEY)")
+    source_db.execute("CREATE TABLE busy_elsewhere (id int, pad text)")
+    target_db.execute("CREATE TABLE published (id int PRIMARY KEY)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE published")
+    create_slot(source_db)
+    worker = start_worker(source_db, target_db, log_path=tmp_path / "w.log")
+    try:
+        source_db.execute("INSERT INTO busy_elsewhere SELECT g, repeat('x', 200) FROM generate_series(1, 20000) g")
+        goal = source_db.query("SELECT pg_current_wal_lsn()::text")[0][0]
+        wait_for(lambda: source_db.query("SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+                                         "WHERE slot_name = 's'", (goal,)) == [(True,)],
+                 timeout=60, what="the slot to confirm past WAL of unpublished tables")
+    finally:
+        assert stop_worker(worker) == 0
+
+
+def test_authentication_failure_is_permanent_and_named(source_db, target_db) -> None:
+    source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+    create_slot(source_db)
+    command = worker_command(source_db, target_db, "--exit-when-caught-up")
+    command[command.index("--source") + 1] = source_db.dsn.replace("postgres@", "no_such_role@")
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    assert 'role "no_such_role" does not exist' in proc.stderr
+    assert "reconnecting" not in proc.stderr  # permanent: no retry loop

@@ -107,7 +107,8 @@ class TargetApplier:
         self._mappings: dict[int, RelationMapping] = {}
         self._statements: dict[tuple[object, ...], Statement] = {}
         self.conflicts: Counter[tuple[str, str]] = Counter()
-        self.applied_counts: Counter[str] = Counter()
+        self.applied_counts: Counter[str] = Counter()   # committed on the target
+        self._pending_counts: Counter[str] = Counter()  # in the open target transaction
         self._current: TransactionStart | None = None
         self._skipping = False
         self.current_origin: Origin | None = None
@@ -176,7 +177,7 @@ class TargetApplier:
         if self._skipping:
             self._skipping = False
             return
-        self.applied_counts["transactions"] += 1
+        self._pending_counts["transactions"] += 1
         if self._fast:
             self._batch_last = txn
             limits = self.limits
@@ -187,6 +188,7 @@ class TargetApplier:
             return
         self._sql(PROGRESS_SQL, _progress_values(self.slot, txn))
         self._sql("COMMIT")
+        self._count_committed()
         target_lsn = None
         if self.track_target_lsn:
             target_lsn = LSN.parse(self.session.sql("SELECT pg_catalog.pg_current_wal_insert_lsn()")
@@ -200,8 +202,9 @@ class TargetApplier:
         return self._batch_open
 
     def flush(self) -> None:
-        """Commit the fast path's target transaction: its rows, the progress row naming the last
-        source transaction in it, and COMMIT, in one pipeline round trip."""
+        """Commit the fast path's target transaction: its rows and the progress row naming the
+        last source transaction in it in one pipeline round trip, then (every row count being as
+        expected) COMMIT in a second."""
         if not self._batch_open:
             return
         last = self._batch_last
@@ -211,6 +214,8 @@ class TargetApplier:
                 self._emit(pipeline)
                 if last is not None:
                     pipeline.send(PROGRESS_SQL, _progress_values(self.slot, last))
+                # Row counts are checked before COMMIT is even sent: a mismatch must roll back.
+                pipeline.sync()
                 pipeline.send("COMMIT")
                 if self.track_target_lsn:
                     pipeline.send("SELECT pg_catalog.pg_current_wal_insert_lsn()",
@@ -222,9 +227,16 @@ class TargetApplier:
             self._batch.clear()
             self._batch_open = False
             self._batch_last = None
+        self._count_committed()
         if last is not None:
             self.applied = AppliedPosition(last.commit_lsn, last.end_lsn)
             self.on_commit(last.end_lsn, target_lsn[0] if target_lsn else None)
+
+    def _count_committed(self) -> None:
+        # Counted only once the target committed: a rolled-back batch is redone and would
+        # otherwise be counted twice.
+        self.applied_counts.update(self._pending_counts)
+        self._pending_counts.clear()
 
     def _send_batch(self) -> None:
         """Send the rows recorded so far without committing (bounds memory in large transactions)."""
@@ -272,6 +284,7 @@ class TargetApplier:
         self._batch.clear()
         self._batch_open = False
         self._batch_last = None
+        self._pending_counts.clear()
         if self.session.in_transaction:
             self.session.sql("ROLLBACK")
 
@@ -307,7 +320,7 @@ class TargetApplier:
     def _insert(self, msg: Insert) -> None:
         mapping = self._mapping(msg.relation_id)
         new = msg.new_tuple
-        self.applied_counts["insert"] += 1
+        self._pending_counts["insert"] += 1
         if self._fast:
             self._batch.insert(mapping, new)
             self._bound_batch()
@@ -339,7 +352,7 @@ class TargetApplier:
         if not key_positions:
             raise self._error(f"update on {self._name(mapping)} carries no replica identity; give "
                               "the source table a primary key or REPLICA IDENTITY")
-        self.applied_counts["update"] += 1
+        self._pending_counts["update"] += 1
         if self._fast:
             self._batch.update(mapping, new, old)
             self._bound_batch()
@@ -353,7 +366,7 @@ class TargetApplier:
     def _delete(self, msg: Delete) -> None:
         mapping = self._mapping(msg.relation_id)
         old = msg.old_tuple
-        self.applied_counts["delete"] += 1
+        self._pending_counts["delete"] += 1
         if self._fast:
             self._batch.delete(mapping, old)
             self._bound_batch()
@@ -378,7 +391,7 @@ class TargetApplier:
                 self._batch.statement(truncate_sql(names, msg.restart_identity))
             else:
                 self._sql(truncate_sql(names, msg.restart_identity))
-            self.applied_counts["truncate"] += 1
+            self._pending_counts["truncate"] += 1
 
     def _bound_batch(self) -> None:
         limits = self.limits

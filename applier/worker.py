@@ -254,23 +254,22 @@ class Worker:
                 raise
             raise WorkerFailed(self._describe_failure(exc, stream)) from exc
         finally:
+            # Each step on its own: a failure in one (a dead connection) must not keep the next
+            # from running, above all closing the replication connection, whose walsender
+            # otherwise holds the slot.
             self.telemetry.detach()
-            if applier is not None:
-                try:
-                    applier.abort_open_transaction()
-                except TargetError:
-                    pass  # the connection is gone; so is the transaction
-            if assembler is not None:
-                assembler.close()
+            steps = [target.close, control.close]
             if stream is not None:
+                steps[:0] = [stream.send_status, stream.close]
+            if assembler is not None:
+                steps.insert(0, assembler.close)
+            if applier is not None:
+                steps.insert(0, applier.abort_open_transaction)
+            for step in steps:
                 try:
-                    if stream._conn is not None and not stream.connection.closed:
-                        stream.send_status()
-                except (SourceError, psycopg.Error):
-                    pass
-                stream.close()
-            target.close()
-            control.close()
+                    step()
+                except Exception as exc:  # noqa: BLE001 - the session is ending; its cause is reported
+                    log.debug("cleanup step %s failed: %s", step.__qualname__, exc)
 
     def _describe_failure(self, exc: Exception, stream: ReplicationStream | None) -> str:
         where = f"slot {self.slot!r}"

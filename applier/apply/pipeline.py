@@ -65,12 +65,24 @@ class Pipeline:
         self.pgconn.nonblocking = 1
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.pgconn.status == pq.ConnStatus.OK and self.pgconn.pipeline_status != pq.PipelineStatus.OFF:
-            if self._queued:
-                self._read(block=True, until_empty=True)
-            self.pgconn.exit_pipeline_mode()
-        self.pgconn.nonblocking = 0
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        # Leave pipeline mode whatever happened, so the session can run its ROLLBACK; if that is
+        # impossible the connection is unusable, which the next statement reports as transient.
+        try:
+            if self.pgconn.status == pq.ConnStatus.OK and self.pgconn.pipeline_status != pq.PipelineStatus.OFF:
+                if self._queued:
+                    if self._queued[-1] is not None:
+                        self.pgconn.pipeline_sync()  # results are only sent up to a sync point
+                        self._queued.append(None)
+                        self._flush()
+                    self._read(block=True, until_empty=True)
+                self.pgconn.exit_pipeline_mode()
+        except Exception:
+            if exc_type is None:
+                raise
+        finally:
+            self._queued.clear()
+            self.pgconn.nonblocking = 0
 
     # -- sending ----------------------------------------------------------------------------------
     def prepare(self, name: bytes, sql: str) -> None:

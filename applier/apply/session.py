@@ -77,18 +77,24 @@ class TargetSession:
 
     def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
         """Run one statement with text parameters (bookkeeping, transaction control)."""
-        result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
+        try:
+            result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
+        except psycopg.Error as exc:  # libpq refused to send: the connection is not usable
+            raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
         return self._check(result, sql.split(None, 1)[0])
 
     def run(self, statement: Statement, values: Sequence[bytes | None],
             formats: Sequence[int]) -> pq.abc.PGresult:
         """Execute a cached statement, preparing it on first use in this session."""
-        if statement.name not in self._prepared:
-            self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),
-                        f"preparing {statement.sql}")
-            self._prepared.add(statement.name)
-        return self._check(self.pgconn.exec_prepared(statement.name, values, formats),
-                           statement.sql)
+        try:
+            if statement.name not in self._prepared:
+                self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),
+                            f"preparing {statement.sql}")
+                self._prepared.add(statement.name)
+            result = self.pgconn.exec_prepared(statement.name, values, formats)
+        except psycopg.Error as exc:
+            raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
+        return self._check(result, statement.sql)
 
     def flushed_wal_lsn(self) -> str:
         """The target's WAL position known durable on disk (for synchronous_commit = off)."""

@@ -160,9 +160,14 @@ class ReplicationStream:
                    f"{self.options.sql()}")
         log.debug("source: %s", command)
         pgconn = self.connection.pgconn
-        pgconn.send_query(command.encode())
+        try:
+            pgconn.send_query(command.encode())
+        except psycopg.Error as exc:
+            raise SourceError(f"source: {exc}", permanent=False) from exc
         result = pgconn.get_result()
         if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            while pgconn.get_result() is not None:  # drain, so the connection can be used again
+                pass
             message = (result.error_message.decode(errors="replace").strip() if result else "")
             sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
             state = sqlstate.decode() if sqlstate else None

@@ -51,12 +51,23 @@ class Workload(threading.Thread):
         self.error: BaseException | None = None
 
     def run(self) -> None:
-        try:
-            with psycopg.connect(self.dsn) as conn:
-                while not self.stop_event.is_set():
-                    self._one(conn)
-        except BaseException as exc:  # surfaced by the test
-            self.error = exc
+        outages = 0
+        while not self.stop_event.is_set():
+            try:
+                with psycopg.connect(self.dsn) as conn:
+                    while not self.stop_event.is_set():
+                        self._one(conn)
+            except psycopg.OperationalError as exc:
+                # The source restarts in one test: reconnect (a bounded number of times) and go on;
+                # the interrupted transaction rolled back on the source.
+                outages += 1
+                if outages > 20:
+                    self.error = exc
+                    return
+                time.sleep(0.5)
+            except BaseException as exc:  # surfaced by the test
+                self.error = exc
+                return
 
     def _one(self, conn: psycopg.Connection) -> None:
         r = self.random

@@ -22,6 +22,8 @@ log = logging.getLogger("applier")
 
 COMMANDS: dict[str, str] = {
     "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
+    "sync": "Copy every published table from a snapshot matching the slot (in parallel, resumable), "
+            "then stream as run does.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
     "verify": "Compare source and replica table by table: counts, per-range hashes, then exactly "
               "which keys differ.",
@@ -87,6 +89,9 @@ def _runner(command: str) -> Callable[[Settings], int]:
     if command == "run":
         from .worker import run
         return run
+    if command == "sync":
+        from .sync.runner import run_sync
+        return run_sync
     if command == "peek":
         from .peek import peek
         return peek

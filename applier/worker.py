@@ -86,6 +86,7 @@ from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read
 from .protocol import LSN, DecodeError, decode
 from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
 from .source.slots import create_slot, publications_missing, slot_info
+from .sync.state import SyncFilter, SyncIncomplete, table_sync_lsns
 
 __all__ = ["Worker", "WorkerFailed", "run"]
 
@@ -199,7 +200,10 @@ class Worker:
             def on_commit(end_lsn: LSN) -> None:
                 stream.confirm(end_lsn)
 
-            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit)
+            # Tables copied by applier sync: their changes from before each copy's LSN are in it.
+            sync_filter = SyncFilter(table_sync_lsns(engine, self.slot))
+            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
+                                    sync_filter)
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
@@ -304,6 +308,6 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError) as exc:
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, SyncIncomplete) as exc:
         log.error("%s", exc)
         return 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
@@ -25,6 +25,7 @@ from .relations import (
 )
 from .session import TargetError, TargetSession
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
+from ..sync.state import SyncFilter
 
 __all__ = ["TargetApplier", "ApplyError", "AppliedPosition"]
 
@@ -61,7 +62,8 @@ class TargetApplier:
     """Implements ``assembler.TransactionSink`` over a ``TargetSession``."""
 
     def __init__(self, session: TargetSession, reflect: Callable[[str, str], TargetTable],
-                 slot: str, applied: AppliedPosition, on_commit: Callable[[LSN], None]) -> None:
+                 slot: str, applied: AppliedPosition, on_commit: Callable[[LSN], None],
+                 sync_filter: SyncFilter | None = None) -> None:
         self.session = session
         self.reflect = reflect
         self.slot = slot
@@ -75,6 +77,8 @@ class TargetApplier:
         self._current: TransactionStart | None = None
         self._skipping = False
         self.current_origin: Origin | None = None
+        # applier sync: changes to a table already in its copy (committed before its sync LSN).
+        self.sync_filter = sync_filter
 
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
@@ -107,6 +111,8 @@ class TargetApplier:
     def begin(self, txn: TransactionStart) -> None:
         self._current = txn
         self.current_origin = None
+        if self.sync_filter is not None:
+            self.sync_filter.begin(txn.commit_lsn)
         self._skipping = txn.commit_lsn <= self.applied.commit_lsn
         if self._skipping:
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
@@ -153,6 +159,10 @@ class TargetApplier:
     def change(self, msg: Insert | Update | Delete | Truncate | Message) -> None:
         if self._skipping:
             return
+        if self.sync_filter is not None and self.sync_filter.skipped:
+            msg = self._not_in_copy(msg)
+            if msg is None:
+                return
         kind = type(msg)
         if kind is Insert:
             self._insert(msg)  # type: ignore[arg-type]
@@ -225,6 +235,19 @@ class TargetApplier:
         if names:
             self._sql(truncate_sql(names, msg.restart_identity))
             self.applied_counts["truncate"] += 1
+
+    def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message
+                     ) -> Insert | Update | Delete | Truncate | Message | None:
+        """``msg`` without the tables whose initial copy already holds this transaction."""
+        assert self.sync_filter is not None
+        if isinstance(msg, Message):
+            return msg
+        ids = msg.relation_ids if isinstance(msg, Truncate) else (msg.relation_id,)
+        kept = tuple(i for i in ids if i not in self.relations
+                     or not self.sync_filter.skips(self.relations[i].namespace, self.relations[i].name))
+        if not kept:
+            return None
+        return msg if len(kept) == len(ids) else replace(msg, relation_ids=kept)  # type: ignore[type-var]
 
     # -- helpers --------------------------------------------------------------------------------
     def _update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,

@@ -150,11 +150,15 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
         source_db.execute(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, {2000 - 200 * i}) g")
     source_db.execute("ANALYZE")
     source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
-    # Holding a lock on t07 (no xid, so slot creation does not wait for it) blocks its COPY: the
-    # process is killed with t00..t06 done and t07 mid-copy, at a point the test controls.
-    blocker = source_db.connect()
-    blocker.execute("BEGIN")
-    blocker.execute("LOCK TABLE t07 IN ACCESS EXCLUSIVE MODE")
+    # A trigger that fires even in replica role waits for an advisory lock the test holds: the COPY
+    # into t07 blocks, and the process is killed with t00..t06 done and t07 mid-copy.
+    target_db.execute("""
+        CREATE FUNCTION wait_for_test() RETURNS trigger LANGUAGE plpgsql AS
+        $$ BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN NEW; END $$;
+        CREATE TRIGGER gate BEFORE INSERT ON t07 FOR EACH ROW EXECUTE FUNCTION wait_for_test();
+        ALTER TABLE t07 ENABLE ALWAYS TRIGGER gate""")
+    gate = target_db.connect()
+    gate.execute("SELECT pg_advisory_lock(4242)")
     proc = subprocess.Popen(sync_command(source_db, target_db, "--jobs", "1"), cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -167,8 +171,8 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
     finally:
         if proc.poll() is None:
             proc.kill()
-        blocker.execute("ROLLBACK")
-        blocker.close()
+        gate.close()
+    target_db.execute("DROP TRIGGER gate ON t07")
     first = sync_states(target_db)
     # Rows keep the xmin of the transaction that copied them: a recopy would change it.
     xmin_sql = "SELECT DISTINCT xmin::text FROM {} WHERE id > 10"

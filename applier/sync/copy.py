@@ -152,12 +152,12 @@ class _Copier:
         self.progress.range_started(key, pid)
         try:
             with target.transaction():
-                with source.cursor().copy(source_copy_sql(task)) as out, \
-                        target.cursor() as cur, cur.copy(target_copy_sql(task.plan)) as into:
+                with source.cursor() as reader, reader.copy(source_copy_sql(task)) as out, \
+                        target.cursor().copy(target_copy_sql(task.plan)) as into:
                     for chunk in out:
                         into.write(chunk)
                         self.progress.add_bytes(key, len(chunk))
-                rows = cur.rowcount
+                    rows = reader.rowcount  # COPY TO's command tag; closing the cursor resets it
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
                              transient=isinstance(exc, psycopg.OperationalError)) from exc

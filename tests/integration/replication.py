@@ -68,10 +68,14 @@ def assert_same_rows(source_db, target_db, *tables: str) -> None:
         columns = source_columns(source_db, table)
         expected = rows(source_db, table, columns)
         actual = rows(target_db, table, columns)
-        missing = [r for r in expected if r not in actual][:5]
-        extra = [r for r in actual if r not in expected][:5]
-        assert expected == actual, (f"{table}: {len(expected)} source rows, {len(actual)} target "
-                                    f"rows; missing e.g. {missing}; extra e.g. {extra}")
+        if expected == actual:
+            continue
+        # Only on a mismatch, and by set: list membership is quadratic on large tables.
+        expected_set, actual_set = set(expected), set(actual)
+        missing = [r for r in expected if r not in actual_set][:5]
+        extra = [r for r in actual if r not in expected_set][:5]
+        raise AssertionError(f"{table}: {len(expected)} source rows, {len(actual)} target rows; "
+                             f"missing e.g. {missing}; extra e.g. {extra}")
 
 
 def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = "condition") -> None:

@@ -163,6 +163,10 @@ def run_sync(settings: Settings) -> int:
             SchemaError) as exc:
         log.error("%s", exc)
         return 1
+    except psycopg.Error as exc:
+        # E.g. TRUNCATE of a target table another table's foreign key references.
+        log.error("sync failed: %s", str(exc).strip())
+        return 1
     # The slot exists now (sync made it); ``run`` must never create one on its own.
     settings.values.setdefault("create_slot", False)
     return run(settings)

@@ -78,8 +78,8 @@ class ExportedSnapshot:
         except psycopg.Error as exc:
             conn.close()
             error = classify(exc)
-            raise SourceError(f"source: cannot create slot {slot!r}: {error}", permanent=error.permanent,
-                              sqlstate=error.sqlstate) from exc
+            raise SourceError(f"source: cannot create slot {slot!r}: {str(exc).strip()}",
+                              permanent=error.permanent, sqlstate=error.sqlstate) from exc
         assert row is not None
         snapshot = cls(slot, temporary, LSN.parse(row[1]), row[2], conn)
         log.info("created %sslot %r at %s with exported snapshot %s",

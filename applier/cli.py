@@ -23,6 +23,8 @@ log = logging.getLogger("applier")
 
 COMMANDS: dict[str, str] = {
     "run": "Stream changes from a slot and apply them to the target, exactly once, in commit order.",
+    "sync": "Copy every published table from a snapshot matching the slot (in parallel, resumable), "
+            "then stream as run does.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
     "status": "Show a slot and its replica: slot state, WAL retained, last applied transaction, "
               "lag, prepared transactions, spill; exit non-zero when the slot is missing or lag "
@@ -91,6 +93,9 @@ def _runner(command: str) -> Callable[[Settings], int]:
     if command == "run":
         from .worker import run
         return run
+    if command == "sync":
+        from .sync.runner import run_sync
+        return run_sync
     if command == "peek":
         from .peek import peek
         return peek

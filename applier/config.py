@@ -146,6 +146,21 @@ OPTIONS: tuple[Option, ...] = (
            default=False),
     Option("status_interval", "Seconds between standby status updates to the source (at most 10).",
            kind="int", default=10),
+    Option("jobs", "Copy sessions run in parallel by applier sync: several tables at once, and "
+           "the block ranges of large tables.", kind="int", default=4, commands=("sync",)),
+    Option("range_size", "applier sync cuts plain tables larger than this (on-disk size) into "
+           "block ranges of this size, copied in parallel from the same snapshot. Units kB, MB, GB.",
+           kind="size", default=64 * 1024**2, commands=("sync",)),
+    Option("create_tables", "applier sync creates missing target tables from the source "
+           "definitions (published columns, types, NOT NULL, portable defaults, primary key and "
+           "replica identity index), building other indexes after the data is in.", kind="bool",
+           default=False, commands=("sync",)),
+    Option("truncate_target", "applier sync empties target tables that are not empty before "
+           "copying into them, instead of refusing to start.", kind="bool", default=False,
+           commands=("sync",)),
+    Option("progress_interval", "Seconds between copy progress log lines of applier sync when "
+           "stderr is not a terminal (a terminal gets a live display).", kind="int", default=10,
+           commands=("sync",)),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
            kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
            commands=("run", "sync", "peek", "status", "demo")),
@@ -272,6 +287,15 @@ def _validate(settings: Settings) -> None:
     for name in ("batch_rows", "batch_time"):
         if values.get(name) is not None and values[name] < 1:
             raise ConfigError(f"{name} must be at least 1")
+    jobs = values.get("jobs")
+    if jobs is not None and jobs < 1:
+        raise ConfigError("jobs must be at least 1")
+    range_size = values.get("range_size")
+    if range_size is not None and range_size < 8192:
+        raise ConfigError("range_size must be at least one block (8kB)")
+    interval = values.get("progress_interval")
+    if interval is not None and interval < 1:
+        raise ConfigError("progress_interval must be at least 1 second")
     budget = values.get("memory_budget")
     if budget is not None and budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")

@@ -87,6 +87,7 @@ from .protocol import LSN, DecodeError, decode
 from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
 from .source.stream import classify, is_permanent
 from .source.slots import create_slot, publications_missing, slot_info
+from .sync.state import SyncFilter, SyncIncomplete, table_sync_lsns
 
 __all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
 
@@ -238,9 +239,12 @@ class Worker:
             limits = BatchLimits(settings.batch_rows,
                                  min(settings.batch_bytes, settings.memory_budget // 2),
                                  settings.batch_time / 1000)
+            # Tables copied by applier sync: their changes from before each copy's LSN are in it.
+            sync_filter = SyncFilter(table_sync_lsns(engine, self.slot))
             applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
                                     limits=limits, careful_until=self.careful_until,
-                                    track_target_lsn=settings.synchronous_commit == "off")
+                                    track_target_lsn=settings.synchronous_commit == "off",
+                                    sync_filter=sync_filter)
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
@@ -369,7 +373,7 @@ def run(settings: Settings) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
         return Worker(settings).run()
-    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError,
+    except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError, SyncIncomplete,
             psycopg.OperationalError) as exc:
         log.error("%s", exc)
         return 1

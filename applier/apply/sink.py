@@ -13,7 +13,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
@@ -29,6 +29,7 @@ from .relations import (
 )
 from .session import TargetError, TargetSession
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
+from ..sync.state import SyncFilter
 
 __all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits"]
 
@@ -87,7 +88,7 @@ class TargetApplier:
     def __init__(self, session: TargetSession, reflect: Callable[[str, str], TargetTable],
                  slot: str, applied: AppliedPosition, on_commit: OnCommit, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
-                 track_target_lsn: bool = False) -> None:
+                 track_target_lsn: bool = False, sync_filter: SyncFilter | None = None) -> None:
         self.session = session
         self.reflect = reflect
         self.slot = slot
@@ -112,6 +113,8 @@ class TargetApplier:
         self._current: TransactionStart | None = None
         self._skipping = False
         self.current_origin: Origin | None = None
+        # applier sync: changes to a table already in its copy (committed before its sync LSN).
+        self.sync_filter = sync_filter
 
     @property
     def current_xid(self) -> int | None:
@@ -154,6 +157,8 @@ class TargetApplier:
     def begin(self, txn: TransactionStart) -> None:
         self._current = txn
         self.current_origin = None
+        if self.sync_filter is not None:
+            self.sync_filter.begin(txn.commit_lsn)
         self._skipping = txn.commit_lsn <= self.applied.commit_lsn
         if self._skipping:
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
@@ -305,6 +310,10 @@ class TargetApplier:
     def change(self, msg: Insert | Update | Delete | Truncate | Message) -> None:
         if self._skipping:
             return
+        if self.sync_filter is not None and self.sync_filter.skipped:
+            msg = self._not_in_copy(msg)
+            if msg is None:
+                return
         kind = type(msg)
         if kind is Insert:
             self._insert(msg)  # type: ignore[arg-type]
@@ -398,6 +407,19 @@ class TargetApplier:
         assert limits is not None
         if self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes:
             self._send_batch()
+
+    def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message
+                     ) -> Insert | Update | Delete | Truncate | Message | None:
+        """``msg`` without the tables whose initial copy already holds this transaction."""
+        assert self.sync_filter is not None
+        if isinstance(msg, Message):
+            return msg
+        ids = msg.relation_ids if isinstance(msg, Truncate) else (msg.relation_id,)
+        kept = tuple(i for i in ids if i not in self.relations
+                     or not self.sync_filter.skips(self.relations[i].namespace, self.relations[i].name))
+        if not kept:
+            return None
+        return msg if len(kept) == len(ids) else replace(msg, relation_ids=kept)  # type: ignore[type-var]
 
     # -- helpers --------------------------------------------------------------------------------
     def _update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,

@@ -1,0 +1,194 @@
+"""Source catalog reads for the initial copy: what is published, and how each table is defined.
+
+Owns the list of published tables with the columns and row filter the stream applies to each
+(PostgreSQL 15+ column lists and row filters, from ``pg_publication_tables``), their size
+estimates, and the definitions ``--create-tables`` rebuilds on the target. Must never write to the
+source or the target. Every query runs with an empty ``search_path`` so expressions and type names
+come back schema-qualified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psycopg
+
+from ..apply.relations import qualified_name, quote_ident
+
+__all__ = ["PublishedTable", "SourceColumn", "TableDefinition", "CatalogError", "published_tables",
+           "table_definition", "source_column_types"]
+
+#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
+FIRST_NORMAL_OID = 16384
+
+
+class CatalogError(RuntimeError):
+    """The publication asks for something the copy cannot honour the way the stream does."""
+
+
+@dataclass(frozen=True)
+class PublishedTable:
+    schema: str
+    name: str
+    oid: int
+    relkind: str                 # 'r' table, 'p' partitioned table (published via its root)
+    columns: tuple[str, ...]     # the published columns, in table order
+    row_filter: str | None       # OR of the publications' filters; None when any has none
+    size_bytes: int              # main fork size: what block ranges are cut from
+    estimated_rows: int | None   # reltuples, None when never analyzed
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.schema, self.name)
+
+    @property
+    def sql_name(self) -> str:
+        return qualified_name(self.schema, self.name)
+
+
+_PUBLISHED_15 = """
+    SELECT p.schemaname, p.tablename, c.oid, c.relkind, p.pubname, p.attnames, p.rowfilter,
+           pg_catalog.pg_relation_size(c.oid), c.reltuples
+    FROM pg_catalog.pg_publication_tables p
+    JOIN pg_catalog.pg_namespace n ON n.nspname = p.schemaname
+    JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
+    WHERE p.pubname = ANY(%s)
+    ORDER BY 1, 2, 5
+"""
+# Before PostgreSQL 15 there are no column lists or row filters: every column, every row.
+_PUBLISHED_14 = """
+    SELECT p.schemaname, p.tablename, c.oid, c.relkind, p.pubname,
+           ARRAY(SELECT a.attname FROM pg_catalog.pg_attribute a WHERE a.attrelid = c.oid
+                 AND a.attnum > 0 AND NOT a.attisdropped AND a.attgenerated = '' ORDER BY a.attnum),
+           NULL::text, pg_catalog.pg_relation_size(c.oid), c.reltuples
+    FROM pg_catalog.pg_publication_tables p
+    JOIN pg_catalog.pg_namespace n ON n.nspname = p.schemaname
+    JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
+    WHERE p.pubname = ANY(%s)
+    ORDER BY 1, 2, 5
+"""
+
+
+def published_tables(conn: psycopg.Connection, publications: list[str]) -> list[PublishedTable]:
+    """Every table of the publications, once, with what the stream sends for it.
+
+    Row filters of several publications are OR'ed and a publication without a filter disables
+    filtering, as pgoutput does. Different column lists for one table are refused, as pgoutput
+    refuses them.
+    """
+    query = _PUBLISHED_15 if conn.info.server_version >= 150000 else _PUBLISHED_14
+    grouped: dict[tuple[str, str], list[tuple]] = {}
+    for row in conn.execute(query, (publications,)):
+        grouped.setdefault((row[0], row[1]), []).append(row)
+    tables = []
+    for (schema, name), rows in grouped.items():
+        column_lists = {tuple(row[5]) for row in rows}
+        if len(column_lists) > 1:
+            pubs = ", ".join(row[4] for row in rows)
+            raise CatalogError(f"source table {qualified_name(schema, name)} has different column "
+                               f"lists in publications {pubs}; pgoutput refuses to stream it, so "
+                               "it cannot be copied either: make the column lists equal")
+        filters = [row[6] for row in rows]
+        row_filter = None if None in filters else " OR ".join(f"({f})" for f in sorted(set(filters)))
+        first = rows[0]
+        tables.append(PublishedTable(schema, name, first[2], first[3], tuple(first[5]), row_filter,
+                                     int(first[7]), int(first[8]) if first[8] >= 0 else None))
+    return tables
+
+
+@dataclass(frozen=True)
+class SourceColumn:
+    name: str
+    type_sql: str       # format_type() with an empty search_path: schema-qualified
+    builtin: bool       # the type (and an array's element type) is built in: binary COPY is safe
+    not_null: bool
+    default: str | None
+    identity: str       # '' | 'a' (ALWAYS) | 'd' (BY DEFAULT)
+
+
+_COLUMNS = """
+    SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod),
+           a.atttypid < %(first)s AND COALESCE(NULLIF(t.typelem, 0), a.atttypid) < %(first)s,
+           a.attnotnull, pg_catalog.pg_get_expr(d.adbin, d.adrelid), a.attidentity
+    FROM pg_catalog.pg_attribute a
+    JOIN pg_catalog.pg_type t ON t.oid = a.atttypid
+    LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+    WHERE a.attrelid = %(oid)s AND a.attnum > 0 AND NOT a.attisdropped
+    ORDER BY a.attnum
+"""
+
+
+def source_column_types(conn: psycopg.Connection, table: PublishedTable) -> dict[str, SourceColumn]:
+    rows = conn.execute(_COLUMNS, {"first": FIRST_NORMAL_OID, "oid": table.oid}).fetchall()
+    return {r[0]: SourceColumn(r[0], r[1], bool(r[2]), bool(r[3]), r[4], r[5]) for r in rows}
+
+
+@dataclass(frozen=True)
+class TableDefinition:
+    """What ``--create-tables`` builds: the table with its key first, other indexes after the data."""
+
+    create_table: str
+    key_indexes: tuple[str, ...]        # replica identity index (when not the primary key) & co.
+    secondary_indexes: tuple[tuple[str, str], ...]   # (index name, CREATE INDEX statement)
+    skipped_defaults: tuple[str, ...]   # columns whose default needs objects the target lacks
+
+
+_INDEXES = """
+    SELECT ci.relname, i.indisprimary, i.indisreplident, pg_catalog.pg_get_indexdef(i.indexrelid),
+           con.conname, pg_catalog.pg_get_constraintdef(con.oid),
+           ARRAY(SELECT a.attname FROM pg_catalog.pg_attribute a
+                 WHERE a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey))
+    FROM pg_catalog.pg_index i
+    JOIN pg_catalog.pg_class ci ON ci.oid = i.indexrelid
+    LEFT JOIN pg_catalog.pg_constraint con ON con.conindid = i.indexrelid AND con.contype = 'p'
+    WHERE i.indrelid = %s
+    ORDER BY i.indisprimary DESC, i.indisreplident DESC, ci.relname
+"""
+
+
+def table_definition(conn: psycopg.Connection, table: PublishedTable) -> TableDefinition:
+    """The target table for a published table: its published columns only (the stream never sends
+    the others), types, NOT NULL, defaults that need no other object (a sequence default becomes
+    nothing; identity columns stay identities, BY DEFAULT so replicated values are accepted), the
+    primary key (when all its columns are published), the replica identity index, and the other
+    indexes on published columns. A partitioned source table becomes a plain target table."""
+    columns = source_column_types(conn, table)
+    published = set(table.columns)
+    parts, skipped = [], []
+    for name in table.columns:
+        column = columns[name]
+        part = f"{quote_ident(name)} {column.type_sql}"
+        if column.identity:
+            part += " GENERATED BY DEFAULT AS IDENTITY"
+        elif column.default is not None:
+            if "nextval(" in column.default:
+                skipped.append(name)
+            else:
+                part += f" DEFAULT {column.default}"
+        if column.not_null:
+            part += " NOT NULL"
+        parts.append(part)
+    key_indexes, secondary = [], []
+    for (index_name, primary, replident, indexdef, constraint, constraintdef,
+         index_columns) in conn.execute(_INDEXES, (table.oid,)):
+        if not set(index_columns or ()) <= published:
+            continue
+        if primary and constraint:
+            parts.append(f"CONSTRAINT {quote_ident(constraint)} {constraintdef}")
+            if replident:
+                key_indexes.append(f"ALTER TABLE {table.sql_name} REPLICA IDENTITY USING INDEX "
+                                   f"{quote_ident(constraint)}")
+        elif replident:
+            key_indexes.append(_plain_table_index(indexdef))
+            key_indexes.append(f"ALTER TABLE {table.sql_name} REPLICA IDENTITY USING INDEX "
+                               f"{quote_ident(index_name)}")
+        else:
+            secondary.append((index_name, _plain_table_index(indexdef)))
+    create = f"CREATE TABLE {table.sql_name} (\n    " + ",\n    ".join(parts) + "\n)"
+    return TableDefinition(create, tuple(key_indexes), tuple(secondary), tuple(skipped))
+
+
+def _plain_table_index(indexdef: str) -> str:
+    # An index of a partitioned table reads "... ON ONLY schema.table ..."; on the plain target
+    # table ONLY is harmless, but say what is meant.
+    return indexdef.replace(" ON ONLY ", " ON ", 1)

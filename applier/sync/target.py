@@ -1,0 +1,137 @@
+"""Target tables for the initial copy: checked (or created) before anything is copied.
+
+Owns: every published table exists on the target with every published column (or is created with
+``--create-tables``), is empty (or ``--truncate-target`` allows emptying it, or it holds our own
+unfinished copy), the choice of COPY format per table, and building secondary indexes after the
+data is in. Must never copy rows or write sync state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psycopg
+from sqlalchemy import Engine
+
+from ..apply.relations import MissingTargetTable, TargetTable, quote_ident, reflect_table
+from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
+
+__all__ = ["TargetCheckError", "TargetPlan", "prepare_targets", "target_session", "is_empty",
+           "build_secondary_indexes"]
+
+log = logging.getLogger(__name__)
+
+
+class TargetCheckError(RuntimeError):
+    """A target table cannot receive the copy; nothing has been copied."""
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    table: PublishedTable
+    binary: bool                          # binary COPY: every column of identical built-in type
+    definition: TableDefinition | None    # with --create-tables: its secondary indexes follow the data
+
+
+def target_session(dsn: str, application_name: str) -> psycopg.Connection:
+    """A target connection set up as the apply session is: replica role (user triggers and foreign
+    keys stay quiet, as in the stream's apply), empty search_path, ISO dates."""
+    conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
+    for setting in ("SET session_replication_role = replica",
+                    "SELECT pg_catalog.set_config('search_path', '', false)",
+                    "SET datestyle = ISO", "SET intervalstyle = postgres"):
+        conn.execute(setting)
+    return conn
+
+
+def prepare_targets(source: psycopg.Connection, target: psycopg.Connection, engine: Engine,
+                    tables: list[PublishedTable], *, create_tables: bool) -> list[TargetPlan]:
+    """Check every target table (creating missing ones when asked) and pick each COPY format.
+
+    All problems are collected and reported together, before any table is created or copied.
+    """
+    problems: list[str] = []
+    found: dict[tuple[str, str], TargetTable | None] = {}
+    for table in tables:
+        try:
+            with engine.connect() as conn:
+                found[table.key] = reflect_table(conn, table.schema, table.name)
+        except MissingTargetTable:
+            found[table.key] = None
+            if not create_tables:
+                problems.append(f"target table {table.sql_name} does not exist (create it, or "
+                                "use --create-tables)")
+    if problems:
+        raise TargetCheckError("; ".join(problems))
+    plans = []
+    for table in tables:
+        existing = found[table.key]
+        columns = source_column_types(source, table)
+        definition = table_definition(source, table) if create_tables else None
+        if existing is None:
+            assert definition is not None
+            _create(target, table, definition)
+            with engine.connect() as conn:
+                existing = reflect_table(conn, table.schema, table.name)
+        problems.extend(_column_problems(table, existing))
+        plans.append(TargetPlan(table, _binary_safe(table, columns, existing), definition))
+    if problems:
+        raise TargetCheckError("; ".join(problems))
+    return plans
+
+
+def _create(target: psycopg.Connection, table: PublishedTable, definition: TableDefinition) -> None:
+    with target.transaction():
+        target.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(table.schema)}")
+        try:
+            target.execute(definition.create_table)
+            for statement in definition.key_indexes:
+                target.execute(statement)
+        except psycopg.Error as exc:
+            raise TargetCheckError(f"cannot create target table {table.sql_name}: "
+                                   f"{str(exc).strip()}\n{definition.create_table}") from exc
+    skipped = ", ".join(definition.skipped_defaults)
+    log.info("created target table %s%s", table.sql_name,
+             f" (defaults of {skipped} use sequences and were left out)" if skipped else "")
+
+
+def _column_problems(table: PublishedTable, existing: TargetTable) -> list[str]:
+    problems = []
+    for name in table.columns:
+        column = existing.columns.get(name)
+        if column is None or column.generated:
+            what = "has no column" if column is None else "has only a generated column"
+            problems.append(f"target table {table.sql_name} {what} {quote_ident(name)} that the "
+                            "source publishes")
+    return problems
+
+
+def _binary_safe(table: PublishedTable, source: dict[str, SourceColumn], target: TargetTable) -> bool:
+    # Binary COPY carries type OIDs inside arrays and composites, and binary formats are per type:
+    # only identical built-in types (same OIDs on every server) are safe. Anything else goes as text.
+    return all(source[name].builtin and source[name].type_sql == target.columns[name].type_sql
+               for name in table.columns)
+
+
+def is_empty(target: psycopg.Connection, table: PublishedTable) -> bool:
+    row = target.execute(f"SELECT NOT EXISTS (SELECT FROM {table.sql_name})").fetchone()
+    return bool(row and row[0])
+
+
+def build_secondary_indexes(target: psycopg.Connection, plan: TargetPlan) -> None:
+    """The source's other indexes, built after the copy so it did not maintain them. Idempotent:
+    an index of that name already there (a table redone after a crash, or made by hand) is kept."""
+    assert plan.definition is not None
+    for name, statement in plan.definition.secondary_indexes:
+        exists = target.execute(
+            "SELECT FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname = %s", (plan.table.schema, name)).fetchone()
+        if exists:
+            continue
+        try:
+            target.execute(statement)
+        except psycopg.Error as exc:
+            # Not needed for correctness (the key exists): say so and carry on.
+            log.warning("could not build index %s on %s: %s (%s)", quote_ident(name),
+                        plan.table.sql_name, str(exc).strip(), statement)

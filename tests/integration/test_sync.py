@@ -1,0 +1,264 @@
+"""applier sync: a consistent copy of every published table, then streaming with no gap and no
+overlap (PostgreSQL 15 and 18)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from applier.protocol import LSN
+from replication import REPO, assert_same_rows, run_worker, wait_for
+
+pytestmark = pytest.mark.server
+
+
+def sync_command(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub") -> list[str]:
+    return [sys.executable, "-m", "applier", "sync", "--source", source_db.dsn, "--target",
+            target_db.dsn, "--slot", slot, "--publication", publication, "--log-level", "INFO",
+            "--progress-interval", "1", *extra]
+
+
+def run_sync(source_db, target_db, *extra: str, expect_rc: int | None = 0, publication: str = "pub",
+             timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run(sync_command(source_db, target_db, "--exit-when-caught-up", *extra,
+                                       publication=publication),
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    if expect_rc is not None:
+        assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def sync_states(target_db, slot: str = "s") -> dict[str, tuple[str, str | None]]:
+    return {f"{schema}.{name}": (state, lsn) for schema, name, state, lsn in target_db.query(
+        "SELECT schema_name, table_name, state, sync_lsn::text FROM applier.table_sync "
+        "WHERE slot_name = %s", (slot,))}
+
+
+def test_concurrent_pgbench_workload_during_copy(pg_pair, source_db, target_db) -> None:
+    """pgbench (TPC-B-like) writes throughout the copy; after catch-up the target equals the source."""
+    pgbench = str(pg_pair.source.pgbench_path)
+    subprocess.run([pgbench, "-i", "-s", "1", "-q", source_db.dsn], check=True, capture_output=True)
+    subprocess.run([pgbench, "-i", "-I", "dtp", "-q", target_db.dsn], check=True, capture_output=True)
+    source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+    # Rate-limited so the 2-core test machine keeps up; the copy still runs under a steady stream.
+    workload = subprocess.Popen([pgbench, "-n", "-c", "2", "-R", "200", "-T", "600", source_db.dsn],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: source_db.query("SELECT count(*) FROM pgbench_history")[0][0] > 50,
+                 what="the workload to start")
+        # 64kB ranges cut pgbench_accounts (~13 MB) into ~200 pieces copied by 3 sessions.
+        proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "64kB")
+        copied_during = source_db.query("SELECT count(*) FROM pgbench_history")[0][0]
+    finally:
+        workload.send_signal(signal.SIGINT)
+        workload.wait(timeout=60)
+    assert "piece(s)" in proc.stderr and "binary COPY" in proc.stderr
+    assert "copied \"public\".\"pgbench_accounts\": 100000 rows" in proc.stderr
+    assert copied_during > 50
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, "pgbench_accounts", "pgbench_branches",
+                     "pgbench_tellers", "pgbench_history")
+    assert {state for state, _ in sync_states(target_db).values()} == {"done"}
+
+
+SMALL_TABLES = 25
+
+
+def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db) -> None:
+    schema = ["CREATE TYPE mood AS ENUM ('sad', 'happy')",
+              "CREATE TABLE big (id bigint PRIMARY KEY, payload text, n numeric)",
+              "CREATE TABLE typed (id int PRIMARY KEY, m mood, arr int[], j jsonb, ts timestamptz, "
+              "iv interval, f float8, b bytea)"]
+    schema += [f'CREATE TABLE "Small {i}" (id int PRIMARY KEY, v text)' for i in range(SMALL_TABLES)]
+    for statement in schema:
+        source_db.execute(statement)
+        target_db.execute(statement)
+    source_db.execute("INSERT INTO big SELECT g, repeat(md5(g::text), 3), g / 7.0 "
+                      "FROM generate_series(1, 30000) g")
+    source_db.execute("INSERT INTO typed VALUES (1, 'happy', '{1,NULL}', '{\"a\": [1]}', "
+                      "'2024-02-29 12:34:56.789+05:30', '1 year 2 mons 04:05:06.789', "
+                      "1.0000000000000002, '\\x00ff'), (2, NULL, NULL, NULL, 'infinity', NULL, "
+                      "'NaN', NULL)")
+    for i in range(SMALL_TABLES):
+        source_db.execute(f'INSERT INTO "Small {i}" SELECT g, %s FROM generate_series(1, {i + 1}) g',
+                          (f"t{i}",))
+    source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+    proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "128kB")
+    pieces = int(proc.stderr.split(" piece(s)")[0].rsplit(" ", 1)[1])
+    assert pieces > SMALL_TABLES + 2 + 5, "big must have been cut into several block ranges"
+    assert "copied \"public\".\"typed\"" in proc.stderr and "(text COPY)" in proc.stderr
+    assert "copied \"public\".\"big\"" in proc.stderr
+    tables = ["big", "typed"] + [f'"Small {i}"' for i in range(SMALL_TABLES)]
+    assert_same_rows(source_db, target_db, *tables)
+    # The stream continues exactly where the copy ended.
+    source_db.execute("UPDATE big SET payload = 'changed' WHERE id % 1000 = 0")
+    source_db.execute("DELETE FROM big WHERE id > 29990")
+    source_db.execute('INSERT INTO "Small 3" VALUES (100, \'new\')')
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, *tables)
+
+
+def test_column_list_and_row_filter(source_db, target_db) -> None:
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, a text, secret text, flag boolean)")
+    target_db.execute("CREATE TABLE t (id int PRIMARY KEY, a text, flag boolean, "
+                      "local text DEFAULT 'target-only')")
+    source_db.execute("INSERT INTO t SELECT g, 'a' || g, 's' || g, g % 3 = 0 FROM generate_series(1, 300) g")
+    # Two publications: the filters are OR'ed, as the stream does.
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t (id, a, flag) WHERE (id % 2 = 0)")
+    source_db.execute("CREATE PUBLICATION pub2 FOR TABLE t (id, a, flag) WHERE (flag)")
+    run_sync(source_db, target_db, publication="pub,pub2")
+    expected = source_db.query("SELECT id, a, flag FROM t WHERE id % 2 = 0 OR flag ORDER BY id")
+    assert target_db.query("SELECT id, a, flag FROM t ORDER BY id") == expected
+    assert target_db.query("SELECT DISTINCT local FROM t") == [("target-only",)]
+    source_db.execute("INSERT INTO t VALUES (1000, 'x', 's', false), (1002, 'y', 's', false)")
+    run_worker(source_db, target_db, publication="pub,pub2")
+    expected = source_db.query("SELECT id, a, flag FROM t WHERE id % 2 = 0 OR flag ORDER BY id")
+    assert target_db.query("SELECT id, a, flag FROM t ORDER BY id") == expected
+
+
+def test_partitioned_tables(source_db, target_db) -> None:
+    partitioned = """
+        CREATE TABLE {name} (id int, region text, v int, PRIMARY KEY (id, region)) PARTITION BY LIST (region);
+        CREATE TABLE {name}_eu PARTITION OF {name} FOR VALUES IN ('eu');
+        CREATE TABLE {name}_us PARTITION OF {name} FOR VALUES IN ('us');
+    """
+    for db in (source_db, target_db):
+        db.execute(partitioned.format(name="via_root"))
+        db.execute(partitioned.format(name="leaves"))
+    for name in ("via_root", "leaves"):
+        source_db.execute(f"INSERT INTO {name} SELECT g, CASE WHEN g % 2 = 0 THEN 'eu' ELSE 'us' END, g "
+                          "FROM generate_series(1, 500) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE via_root WITH (publish_via_partition_root = true)")
+    source_db.execute("CREATE PUBLICATION pub2 FOR TABLE leaves")
+    run_sync(source_db, target_db, publication="pub,pub2")
+    assert set(sync_states(target_db)) == {"public.via_root", "public.leaves_eu", "public.leaves_us"}
+    assert_same_rows(source_db, target_db, "via_root", "leaves", "via_root_eu", "leaves_us")
+    source_db.execute("UPDATE via_root SET v = -v WHERE id <= 20")
+    source_db.execute("UPDATE leaves SET region = 'eu' WHERE id = 1")  # moves a row between leaves
+    run_worker(source_db, target_db, publication="pub,pub2")
+    assert_same_rows(source_db, target_db, "via_root", "leaves", "leaves_eu", "leaves_us")
+
+
+def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> None:
+    names = [f"t{i:02}" for i in range(8)]
+    for db in (source_db, target_db):
+        for i, name in enumerate(names):
+            db.execute(f"CREATE TABLE {name} (id int PRIMARY KEY, v text)")
+    for i, name in enumerate(names):
+        # t07 is the smallest, so with one job it is copied last.
+        source_db.execute(f"INSERT INTO {name} SELECT g, 'v' FROM generate_series(1, {2000 - 200 * i}) g")
+    source_db.execute("ANALYZE")
+    source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+    # A trigger that fires even in replica role waits for an advisory lock the test holds: the COPY
+    # into t07 blocks, and the process is killed with t00..t06 done and t07 mid-copy.
+    target_db.execute("""
+        CREATE FUNCTION wait_for_test() RETURNS trigger LANGUAGE plpgsql AS
+        $$ BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN NEW; END $$;
+        CREATE TRIGGER gate BEFORE INSERT ON t07 FOR EACH ROW EXECUTE FUNCTION wait_for_test();
+        ALTER TABLE t07 ENABLE ALWAYS TRIGGER gate""")
+    gate = target_db.connect()
+    gate.execute("SELECT pg_advisory_lock(4242)")
+    proc = subprocess.Popen(sync_command(source_db, target_db, "--jobs", "1"), cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: _table_sync_exists(target_db) and len(
+            [s for s, _ in sync_states(target_db).values() if s == "done"]) == 7,
+                 timeout=120, what="seven tables copied")
+        assert sync_states(target_db)["public.t07"][0] == "copying"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        gate.close()
+    target_db.execute("DROP TRIGGER gate ON t07")
+    first = sync_states(target_db)
+    # Rows keep the xmin of the transaction that copied them: a recopy would change it.
+    xmin_sql = "SELECT DISTINCT xmin::text FROM {} WHERE id > 10"
+    xmins = {name: target_db.query(xmin_sql.format(name)) for name in names[:7]}
+    # Changes while nothing runs: to finished tables (the stream must apply them) and to the
+    # unfinished one (the new copy holds them; the stream must not apply them again).
+    source_db.execute("UPDATE t00 SET v = 'after kill' WHERE id <= 10")
+    source_db.execute("DELETE FROM t03 WHERE id > 100")
+    source_db.execute("UPDATE t07 SET v = v || '+1' WHERE id <= 50")
+    source_db.execute("INSERT INTO t07 VALUES (5000, 'new')")
+    source_db.execute("DELETE FROM t07 WHERE id BETWEEN 60 AND 70")
+    # An apply worker must refuse to stream onto a half-copied table.
+    refused = run_worker(source_db, target_db, expect_rc=1)
+    assert "initial copy for slot 's' is unfinished" in refused.stderr and "public.t07" in refused.stderr
+    proc2 = run_sync(source_db, target_db, "--jobs", "2")
+    assert "temporary slot" in proc2.stderr
+    second = sync_states(target_db)
+    for name in names[:7]:
+        assert second[f"public.{name}"] == first[f"public.{name}"]
+        assert target_db.query(xmin_sql.format(name)) == xmins[name], f"{name} was copied again"
+    assert second["public.t07"][0] == "done"
+    assert LSN.parse(second["public.t07"][1]) > LSN.parse(first["public.t00"][1])
+    source_db.execute("UPDATE t07 SET v = v || '+2' WHERE id <= 5")
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, *names)
+
+
+def _table_sync_exists(target_db) -> bool:
+    return bool(target_db.query("SELECT to_regclass('applier.table_sync') IS NOT NULL")[0][0])
+
+
+def test_create_tables_on_empty_target_and_target_checks(source_db, target_db) -> None:
+    source_db.execute("""
+        CREATE SCHEMA "App";
+        CREATE TABLE "App"."Orders" (
+            id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            customer text NOT NULL,
+            amount numeric(12, 2) NOT NULL DEFAULT 0,
+            status text DEFAULT 'new',
+            created timestamptz NOT NULL DEFAULT now(),
+            serial_no serial
+        );
+        CREATE INDEX orders_customer ON "App"."Orders" (customer);
+        CREATE TABLE keyed (a int NOT NULL, b text NOT NULL, v text);
+        CREATE UNIQUE INDEX keyed_ab ON keyed (a, b);
+        ALTER TABLE keyed REPLICA IDENTITY USING INDEX keyed_ab;
+        INSERT INTO "App"."Orders" (customer, amount) SELECT 'c' || g % 10, g FROM generate_series(1, 200) g;
+        INSERT INTO keyed SELECT g, 'k' || g, 'v' FROM generate_series(1, 50) g;
+        CREATE PUBLICATION pub FOR ALL TABLES;
+    """)
+    missing = run_sync(source_db, target_db, expect_rc=1)
+    assert 'target table "App"."Orders" does not exist' in missing.stderr
+    assert 'target table "public"."keyed" does not exist' in missing.stderr
+    assert target_db.query("SELECT count(*) FROM applier.table_sync")[0][0] == 0
+
+    run_sync(source_db, target_db, "--create-tables")
+    assert_same_rows(source_db, target_db, '"App"."Orders"', "keyed")
+    columns = dict(target_db.query(
+        "SELECT attname, attnotnull FROM pg_attribute WHERE attrelid = '\"App\".\"Orders\"'::regclass "
+        "AND attnum > 0 AND NOT attisdropped"))
+    assert columns == {"id": True, "customer": True, "amount": True, "status": False,
+                       "created": True, "serial_no": True}
+    indexes = {row[0] for row in target_db.query("SELECT indexrelid::regclass::text FROM pg_index "
+                                                 "WHERE indrelid = '\"App\".\"Orders\"'::regclass")}
+    assert indexes == {'"App"."Orders_pkey"', '"App".orders_customer'}
+    assert target_db.query("SELECT relreplident FROM pg_class WHERE oid = 'keyed'::regclass") == [("i",)]
+    assert target_db.query("SELECT pg_get_expr(adbin, adrelid) FROM pg_attrdef WHERE adrelid = "
+                           "'\"App\".\"Orders\"'::regclass AND adnum = 3") == [("0",)]
+    # Streaming continues into the created tables.
+    source_db.execute("""UPDATE "App"."Orders" SET status = 'paid' WHERE id <= 5;
+                         DELETE FROM keyed WHERE a <= 3; UPDATE keyed SET b = 'moved' WHERE a = 4""")
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, '"App"."Orders"', "keyed")
+
+
+def test_non_empty_target_refused_unless_truncate(source_db, target_db) -> None:
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    source_db.execute("INSERT INTO t SELECT g, 'src' FROM generate_series(1, 100) g")
+    target_db.execute("INSERT INTO t VALUES (1, 'stale'), (1000, 'extra')")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    refused = run_sync(source_db, target_db, expect_rc=1)
+    assert 'target table(s) "public"."t" are not empty' in refused.stderr
+    assert "--truncate-target" in refused.stderr
+    assert target_db.query("SELECT count(*) FROM t")[0][0] == 2
+    run_sync(source_db, target_db, "--truncate-target")
+    assert_same_rows(source_db, target_db, "t")

@@ -1,8 +1,9 @@
 """``applier demo``: the whole product on two throwaway servers, in one command.
 
 Starts a source and a target PostgreSQL from the binaries the project installs, creates a small
-shop schema on both, creates the slot and publication, then streams while a workload writes (small
-transactions, a large transaction the server streams in progress, rows deleted and updated),
+shop schema on both and a few thousand rows on the source, runs ``applier sync`` (slot, snapshot
+copy, then streaming) while a workload writes (small transactions, a large transaction the server
+streams in progress, rows deleted and updated),
 shows progress and lag live, stops the worker, runs ``applier verify`` on every table, prints a summary
 and removes the servers (``--keep`` leaves them running and prints their connection strings).
 Must never touch a server it did not start.
@@ -78,6 +79,7 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
 
 
 def _lag(source: psycopg.Connection) -> int:
+    """Bytes of source WAL the slot has not confirmed yet (0 before sync has made the slot)."""
     row = source.execute("SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots "
                          "WHERE slot_name = 'demo'").fetchone()
     return int(row[0]) if row and row[0] is not None else 0
@@ -95,16 +97,15 @@ def run_demo(args: argparse.Namespace) -> int:
         for db in (source_db, target_db):
             db.execute(SCHEMA)
         source_db.execute("CREATE PUBLICATION demo_pub FOR TABLE customers, products, orders")
-        source_db.execute("SELECT pg_create_logical_replication_slot('demo', 'pgoutput')")
-        say("  schema, publication demo_pub and slot demo created")
         with source_db.connect() as conn:
             conn.execute("INSERT INTO customers (id, name) SELECT g, 'customer ' || g FROM generate_series(1, 2000) g")
             conn.execute("INSERT INTO products SELECT 'sku-' || g, 'product ' || g, g * 1.25, "
                          "ARRAY['tag' || (g % 5), 'sale'] FROM generate_series(0, 199) g")
-        say("  2,200 initial rows written on the source; starting applier run ...")
-        worker = subprocess.Popen([sys.executable, "-m", "applier", "run", "--source", source_db.dsn,
+        say("  schema, publication demo_pub and 2,200 rows on the source; starting applier sync "
+            "(slot, snapshot copy, then streaming) while the workload writes ...")
+        worker = subprocess.Popen([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
                                    "--target", target_db.dsn, "--slot", "demo", "--publication",
-                                   "demo_pub", "--log-level", "WARNING"])
+                                   "demo_pub", "--jobs", "2", "--log-level", "WARNING"])
         rng = random.Random(42)
         next_order = [1]
         rows = 2200

@@ -326,15 +326,21 @@ class Worker:
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
                 self._confirm_flushed(stream, applier)
                 last_flush_check = time.monotonic()
+            # Caught up needs no pause in the stream (a busy source may never pause): only that
+            # the confirmed position passed the goal and the slot has it.
+            if (self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
+                    and self._slot_confirmed(stream, control)):
+                log.info("caught up: the slot confirmed %s", stream.flush_lsn)
+                return
             if applier.holds_uncommitted or self._unflushed:
                 continue
             # Nothing open, buffered or unflushed: everything the server sent is applied and
             # durable, so the position it last reported having sent is safe to confirm too.
             if stream.keepalive_wal_end > stream.flush_lsn:
                 stream.confirm(stream.keepalive_wal_end)
-            if self.caught_up is not None and self._is_caught_up(stream, control):
-                log.info("caught up: the slot confirmed %s", stream.flush_lsn)
-                return
+            elif self.caught_up is not None and stream.flush_lsn < self.caught_up.goal:
+                # Ask for a keepalive: its WAL end tells us when nothing more is coming.
+                stream.send_status(reply_requested=True)
         raise _StopRequested()
 
     def _confirm_flushed(self, stream: ReplicationStream, applier: TargetApplier) -> None:
@@ -343,12 +349,9 @@ class Worker:
         while self._unflushed and self._unflushed[0][0] <= flushed:
             stream.confirm(self._unflushed.popleft()[1])
 
-    def _is_caught_up(self, stream: ReplicationStream, control: psycopg.Connection) -> bool:
+    def _slot_confirmed(self, stream: ReplicationStream, control: psycopg.Connection) -> bool:
+        """Report the confirmed position and wait (briefly) until the slot shows the goal."""
         assert self.caught_up is not None
-        if stream.flush_lsn < self.caught_up.goal:
-            # Ask the server for a keepalive: its WAL end tells us when nothing more is coming.
-            stream.send_status(reply_requested=True)
-            return False
         stream.send_status()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:

@@ -114,7 +114,7 @@ def test_metrics_health_and_status(source_db, target_db, tmp_path: Path) -> None
         assert report["progress"]["commit_lsn"] and report["progress"]["commit_time"]
         assert report["retained_wal_bytes"] >= 0
         assert report["spill_bytes"] == 0 and report["spill_dir"] == str(spill)
-        assert report["prepared_transactions"] == [] and report["table_sync"] is None
+        assert report["prepared_transactions"] == [] and report["table_sync"] == []
     finally:
         assert stop_worker(worker) == 0, log.read_text()[-3000:]
 

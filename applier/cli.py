@@ -28,6 +28,10 @@ COMMANDS: dict[str, str] = {
     "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
                 "Parquet, tagged with the source LSN.",
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
+    "skip": "Skip exactly one source transaction (a poison transaction that stops the worker), "
+            "named by its finish LSN; crash-safe and recorded on the target.",
+    "status": "Show what the target records for a slot: position, prepared transactions, "
+              "origins, conflicts, skipped transactions and messages.",
 }
 
 #: Commands with their own argument parsing: module, argument-adding function, runner.
@@ -57,9 +61,13 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif option.kind == "choice":
             parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
                                 help=help_text)
+        elif option.repeatable:
+            parser.add_argument(option.flag, dest=option.name, metavar=option.metavar or "VALUE",
+                                action="append",
+                                default=None, help=help_text)
         else:
-            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR"}.get(
-                option.kind, "DSN" if option.secret else "NAME")
+            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                       "lsn": "LSN"}.get(option.kind, "DSN" if option.secret else "NAME")
             parser.add_argument(option.flag, dest=option.name, metavar=metavar, default=None,
                                 help=help_text)
 
@@ -90,6 +98,12 @@ def _runner(command: str) -> Callable[[Settings], int]:
     if command == "peek":
         from .peek import peek
         return peek
+    if command == "skip":
+        from .skip import run_skip
+        return run_skip
+    if command == "status":
+        from .status import run_status
+        return run_status
     raise AssertionError(command)
 
 

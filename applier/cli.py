@@ -34,6 +34,8 @@ COMMANDS: dict[str, str] = {
     "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
                 "Parquet, tagged with the source LSN.",
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
+    "skip": "Skip exactly one source transaction (a poison transaction that stops the worker), "
+            "named by its finish LSN; crash-safe and recorded on the target.",
 }
 
 #: Commands with their own argument parsing: module, argument-adding function, runner.
@@ -63,9 +65,13 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif option.kind == "choice":
             parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
                                 help=help_text)
+        elif option.repeatable:
+            parser.add_argument(option.flag, dest=option.name, metavar=option.metavar or "VALUE",
+                                action="append",
+                                default=None, help=help_text)
         else:
-            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR"}.get(
-                option.kind, "DSN" if option.secret else "NAME")
+            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                       "lsn": "LSN"}.get(option.kind, "DSN" if option.secret else "NAME")
             parser.add_argument(option.flag, dest=option.name, metavar=metavar, default=None,
                                 help=help_text)
 
@@ -99,6 +105,9 @@ def _runner(command: str) -> Callable[[Settings], int]:
     if command == "peek":
         from .peek import peek
         return peek
+    if command == "skip":
+        from .skip import run_skip
+        return run_skip
     if command == "status":
         from .ops.status import status
         return status

@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "Option", "OPTIONS", "Settings", "parse_size", "mask_dsn", "load_settings"]
+from .protocol.lsn import LSN
+
+__all__ = ["ConfigError", "Option", "OPTIONS", "Settings", "parse_size", "mask_dsn", "load_settings",
+           "CONFLICT_POLICIES", "parse_conflict_policies", "parse_table_name"]
 
 
 class ConfigError(ValueError):
@@ -61,12 +64,13 @@ class Option:
 
     name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
     help: str
-    kind: str = "str"              # str | int | bool | size | list | choice | path
+    kind: str = "str"              # str | int | bool | size | list | choice | path | lsn
     default: Any = None
     choices: tuple[str, ...] = ()
     commands: tuple[str, ...] = ("run", "sync")
     secret: bool = False           # DSNs: passwords are masked wherever the value is shown
     repeatable: bool = False       # list options given several times on the command line
+    metavar: str | None = None     # command-line placeholder, when the kind's default is unclear
 
     @property
     def flag(self) -> str:
@@ -82,6 +86,7 @@ class Option:
         converters: dict[str, Callable[[Any], Any]] = {
             "str": str, "int": int, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": str,
+            "lsn": lambda v: LSN.parse(str(v)),
         }
         try:
             value = converters[self.kind](raw)
@@ -98,9 +103,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
            "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status",)),
     Option("target", "libpq connection string or URL of the target (replica) database.",
-           secret=True, commands=("run", "sync", "status")),
+           secret=True, commands=("run", "sync", "status", "skip")),
     Option("slot", "Logical replication slot on the source that this worker consumes.",
-           commands=_REPLICATION + ("status",)),
+           commands=_REPLICATION + ("status", "skip")),
     Option("publication", "Publication name(s) on the source, comma separated.", kind="list",
            commands=_REPLICATION),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
@@ -119,6 +124,39 @@ OPTIONS: tuple[Option, ...] = (
     Option("origin", "Publisher-side origin filter (PostgreSQL 16+): 'none' sends only changes "
            "that originated on the source itself, 'any' sends everything.", kind="choice",
            choices=("any", "none"), commands=_REPLICATION),
+    Option("two_phase_mode", "How prepared source transactions are applied when two-phase "
+           "decoding is on. prepare: applied and PREPAREd on the target at once, committed or "
+           "rolled back when the source does. defer: held durably in the applier schema and "
+           "applied only at COMMIT PREPARED. auto: prepare when the target has "
+           "max_prepared_transactions > 0, else defer.", kind="choice",
+           choices=("auto", "prepare", "defer"), default="auto", commands=("run",)),
+    Option("skip_origin", "Drop source transactions that came from this replication origin (the "
+           "name in their Origin message); repeatable. With two workers replicating in opposite "
+           "directions, give each the other's --replication-origin to stop loops on PostgreSQL "
+           "15 (16+ can use --origin none instead).", kind="list", repeatable=True,
+           metavar="NAME", commands=("run",)),
+    Option("replication_origin", "Replication origin that tags the worker's writes on the target, "
+           "so a replication out of the target with origin=none (or --skip-origin) ignores them. "
+           "Default: applier_<slot>_<target database>; 'none' leaves the writes untagged. Needs "
+           "superuser or EXECUTE on pg_replication_origin_create/_session_setup; without them "
+           "the worker logs it once and runs untagged.", commands=("run",)),
+    Option("message_sink", "Where --messages delivers pg_logical_emit_message payloads: 'table' "
+           "(applier.messages on the target; transactional ones in their own transaction) or "
+           "'log'.", kind="choice", choices=("table", "log"), default="table",
+           commands=("run",)),
+    Option("message_prefix", "Deliver only logical messages whose prefix matches this pattern "
+           "(shell-style: * and ? wildcards); repeatable. Default: every message.", kind="list",
+           repeatable=True, metavar="PATTERN", commands=("run",)),
+    Option("conflict_policy", "What to do on an apply conflict: apply (the source wins: upsert, "
+           "or skip a change whose row is missing), error (stop the worker), keep-local (the "
+           "target row wins). POLICY sets the default, SCHEMA.TABLE=POLICY one table; "
+           "repeatable. Default: apply.", kind="list", repeatable=True,
+           metavar="[SCHEMA.TABLE=]POLICY", commands=("run",)),
+    Option("skip_lsn", "Skip the one source transaction that finishes (commits or prepares) at "
+           "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions.",
+           kind="lsn", commands=("run",)),
+    Option("lsn", "Finish LSN (commit or prepare LSN) of the source transaction to skip, as the "
+           "worker's error message names it.", kind="lsn", commands=("skip",)),
     Option("sql", "Peek over the SQL interface (pg_logical_slot_peek_binary_changes) instead of "
            "the replication protocol.", kind="bool", default=False, commands=("peek",)),
     Option("limit", "Stop after printing this many messages.", kind="int", commands=("peek",)),
@@ -163,7 +201,7 @@ OPTIONS: tuple[Option, ...] = (
            commands=("sync",)),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
            kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-           commands=("run", "sync", "peek", "status", "demo")),
+           commands=("run", "sync", "peek", "status", "demo", "skip")),
     # -- operations (applier/ops) -----------------------------------------------------------------
     Option("log_format", "Log line format: text (for people) or json (one object per line with "
            "slot, lsn and xid fields).", default="text", kind="choice", choices=("text", "json"),
@@ -299,6 +337,58 @@ def _validate(settings: Settings) -> None:
     budget = values.get("memory_budget")
     if budget is not None and budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")
+    if values.get("conflict_policy"):
+        parse_conflict_policies(values["conflict_policy"])
+
+
+#: Conflict policies (--conflict-policy): the source wins, stop, or the target row wins.
+CONFLICT_POLICIES = ("apply", "error", "keep-local")
+
+
+def parse_table_name(text: str) -> tuple[str, str]:
+    """``schema.table`` (either part may be double-quoted) or ``table`` (schema public)."""
+    parts: list[str] = []
+    current: list[str] = []
+    i, quoted = 0, False
+    while i < len(text):
+        ch = text[i]
+        if quoted:
+            if ch == '"' and text[i + 1:i + 2] == '"':
+                current.append('"')
+                i += 1
+            elif ch == '"':
+                quoted = False
+            else:
+                current.append(ch)
+        elif ch == '"':
+            quoted = True
+        elif ch == ".":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch.lower())
+        i += 1
+    parts.append("".join(current))
+    if quoted or not 1 <= len(parts) <= 2 or not all(parts):
+        raise ConfigError(f"conflict_policy: {text!r} is not a table name (schema.table or table)")
+    return ("public", parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+
+
+def parse_conflict_policies(entries: Sequence[str]) -> tuple[str, dict[tuple[str, str], str]]:
+    """``["error", "app.orders=keep-local"]`` -> (default policy, {(schema, table): policy})."""
+    default = "apply"
+    per_table: dict[tuple[str, str], str] = {}
+    for entry in entries:
+        table, sep, policy = entry.rpartition("=")
+        policy = policy.strip().lower()
+        if policy not in CONFLICT_POLICIES:
+            raise ConfigError(f"conflict_policy: {policy!r} in {entry!r} is not one of "
+                              f"{', '.join(CONFLICT_POLICIES)}")
+        if sep:
+            per_table[parse_table_name(table.strip())] = policy
+        else:
+            default = policy
+    return default, per_table
 
 
 def example_config() -> str:

@@ -43,14 +43,28 @@ Invariants (the tests kill the worker at random points to check them)
 5. Memory for open transactions is bounded; beyond it, disk; spill files never outlive their
    transaction (and are removed at start: the server resends unconfirmed transactions).
 
+Beyond rows (``apply/`` modules, one each)
+------------------------------------------
+* Two-phase (``twophase``): a prepared source transaction is held durably on the target before
+  its prepare is confirmed: PREPAREd under our own GID (mode ``prepare``) or stored in the applier
+  schema until COMMIT PREPARED (mode ``defer``), each with its position in the same target
+  transaction or right after it, and recognised after a crash so it is never applied twice. So
+  invariant 3 holds for prepares as for commits, and confirming the keepalive WAL end when idle
+  stays safe.
+* Origins (``origins``): the apply session is tagged with a replication origin so replications
+  out of the target can ignore our writes; per-origin positions; ``--skip-origin``.
+* Logical messages (``messages``), conflicts (``conflicts``) and skip requests (``skipping``):
+  all written in the target transaction of the source transaction they belong to.
+
 Failures
 --------
 A lost connection on either side ends the current session: the open target transaction (if any)
 is rolled back, buffered streamed transactions are dropped, and after a backoff (tenacity) a new
 session starts from the recorded position. Errors that waiting cannot fix (slot or publication
 missing, authentication, a missing target table or column, malformed protocol bytes) stop the
-worker with a message that names the object, the source LSN and xid where known, and what to do;
-nothing of the failing transaction or any later one is applied, and the next start resumes there.
+worker with a message that names the object, the source LSN and xid where known, and what to do
+(including the ``applier skip`` command that skips that one transaction); nothing of the failing
+transaction or any later one is applied, and the next start resumes there.
 
 Stopping
 --------
@@ -76,15 +90,17 @@ import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
+from .apply.extensions import Extensions, setup_extensions
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
+from .apply.skipping import request_skip
 from .assembler import Assembler, ProtocolSequenceError
 from .config import ConfigError, Settings, mask_dsn
 from .ops.metrics import Telemetry
 from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
 from .protocol import LSN, DecodeError, decode
-from .source import ReplicationStream, SourceError, resolve_stream_options, UnsupportedOption
+from .source import ReplicationStream, SourceError, StreamOptions, resolve_stream_options, UnsupportedOption
 from .source.stream import classify, is_permanent
 from .source.slots import create_slot, publications_missing, slot_info
 from .sync.state import SyncFilter, SyncIncomplete, table_sync_lsns
@@ -143,6 +159,7 @@ class Worker:
         self._stopping = threading.Event()
         # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
         self.telemetry = Telemetry.from_settings(settings, self.slot)
+        self._warned: set[str] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -155,6 +172,8 @@ class Worker:
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
                      mask_dsn(self.settings.source), mask_dsn(self.settings.target))
+            if self.settings.values.get("skip_lsn") is not None:
+                self._with_retry(self._request_skip)
             self._with_retry(self._session)
             return 0
         except _StopRequested:
@@ -165,6 +184,18 @@ class Worker:
             lock.release()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _request_skip(self) -> None:
+        assert self._engine is not None
+        try:
+            log.warning("%s", request_skip(self._engine, self.slot, self.settings.skip_lsn))
+        except ValueError as exc:  # already behind the recorded position: nothing left to skip
+            log.warning("--skip-lsn ignored: %s", exc)
+
+    def _warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            log.warning("%s", text)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         log.info("received %s: stopping after the current message", signal.Signals(signum).name)
@@ -244,7 +275,8 @@ class Worker:
             applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
                                     limits=limits, careful_until=self.careful_until,
                                     track_target_lsn=settings.synchronous_commit == "off",
-                                    sync_filter=sync_filter)
+                                    sync_filter=sync_filter,
+                                    extensions=self._extensions(target, options))
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
@@ -263,6 +295,8 @@ class Worker:
             # otherwise holds the slot.
             self.telemetry.detach()
             steps = [target.close, control.close]
+            if applier is not None:
+                steps.insert(0, lambda: log.info("%s", _summary(applier)))
             if stream is not None:
                 steps[:0] = [stream.send_status, stream.close]
             if assembler is not None:
@@ -275,11 +309,30 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001 - the session is ending; its cause is reported
                     log.debug("cleanup step %s failed: %s", step.__qualname__, exc)
 
+    def _extensions(self, target: TargetSession, options: StreamOptions) -> Extensions:
+        settings = self.settings.values
+        try:
+            return setup_extensions(
+                target, self.slot, two_phase=options.two_phase,
+                two_phase_mode=settings.get("two_phase_mode") or "auto",
+                replication_origin=settings.get("replication_origin"),
+                skip_origins=settings.get("skip_origin") or (),
+                message_sink=settings.get("message_sink") or "table",
+                message_prefixes=settings.get("message_prefix") or (),
+                conflict_policy=settings.get("conflict_policy") or (), warn=self._warn_once)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
     def _describe_failure(self, exc: Exception, stream: ReplicationStream | None) -> str:
         where = f"slot {self.slot!r}"
         if stream is not None:
             where += f", last received source LSN {stream.received_lsn}"
-        return f"{exc} ({where})"
+        text = f"{exc} ({where})"
+        if isinstance(exc, ApplyError) and exc.commit_lsn is not None:
+            text += (f". If this source transaction must not be applied, skip it: applier skip "
+                     f"--target <target DSN> --slot {self.slot} --lsn {exc.commit_lsn} (or start "
+                     f"the worker with --skip-lsn {exc.commit_lsn})")
+        return text
 
     def _reflector(self, engine: Engine):  # -> Callable[[str, str], TargetTable]
         def reflect(schema: str, name: str) -> TargetTable:
@@ -366,6 +419,18 @@ class Worker:
 def default_spill_dir(slot: str) -> Path:
     """Where a slot's streamed transactions spill when --spill-dir is not given."""
     return Path(tempfile.gettempdir()) / f"applier-spill-{_safe(slot)}"
+
+
+def _summary(applier: TargetApplier) -> str:
+    counts = applier.applied_counts
+    text = (f"this session applied {counts['transactions']} transaction(s): "
+            + ", ".join(f"{counts[kind]} {kind}" for kind in ("insert", "update", "delete", "truncate")))
+    if counts["skipped_origin"]:
+        text += f"; dropped {counts['skipped_origin']} transaction(s) from skipped origins"
+    if applier.conflicts:
+        text += "; conflicts: " + ", ".join(f"{kind} on {table} x{n}"
+                                            for (table, kind), n in sorted(applier.conflicts.items()))
+    return text
 
 
 def _safe(name: str) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,29 @@ def _fresh_db(server: PostgresServer, name: str) -> Iterator[Database]:
         if hasattr(server, "running") and not server.running:
             server.start()
         server.drop_database(name)
+        drop_replication_origins(server, name)
+
+
+def drop_replication_origins(server: PostgresServer, database: str) -> None:
+    """Drop the replication origins workers created for ``database`` (applier_<slot>_<db>).
+
+    Origins are server-wide and outlive the database; PostgreSQL 18 tracks at most
+    ``max_active_replication_origins`` (default 10) of them, so every test cleans up its own."""
+    import psycopg  # local: keeps collection free of connections
+
+    with psycopg.connect(server.dsn(), autocommit=True) as conn:
+        names = [row[0] for row in conn.execute(
+            "SELECT roname FROM pg_replication_origin WHERE roname LIKE 'applier%%' "
+            "AND right(roname, %s) = %s", (len(database) + 1, "_" + database))]
+        for origin in names:
+            for attempt in range(100):  # a killed worker's session may still be ending
+                try:
+                    conn.execute("SELECT pg_replication_origin_drop(%s)", (origin,))
+                    break
+                except psycopg.errors.ObjectInUse:
+                    time.sleep(0.1)
+                except psycopg.errors.UndefinedObject:
+                    break
 
 
 @pytest.fixture

@@ -5,6 +5,10 @@ the SQL for each row shape (built once, cached, every identifier quoted), the ta
 (``session_replication_role = replica``, empty ``search_path``), conflict counting, and writing the
 progress row inside the same target transaction as the data. Must never read the network stream
 or decide transaction boundaries: it is driven by the assembler through ``TransactionSink``.
+
+Beyond rows, each in its own module: two-phase transactions (``twophase``), replication origins
+(``origins``), logical messages (``messages``), conflict detection and policies (``conflicts``)
+and skip requests (``skipping``), assembled per target session by ``extensions``.
 """
 
 from .relations import MissingTargetColumn, MissingTargetTable, TargetTable

@@ -71,7 +71,10 @@ def _present(row: TupleData) -> tuple[int, ...]:
 
 
 class Batch:
-    def __init__(self) -> None:
+    def __init__(self, guard_origin: int | None = None) -> None:
+        # With a replication origin of our own: updates only touch rows this worker (or no
+        # origin) wrote last; another origin's row changes no row, so the count differs.
+        self._guard_origin = guard_origin
         self._ops: list[_Op | None] = []
         self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
         self._key_getters: dict[int, Callable[[tuple], object]] = {}
@@ -224,7 +227,13 @@ class Batch:
                 _collect(op.row, assigned, values, formats)
                 _collect(op.old if source == OLD else op.row, key_positions, values, formats)
             if sql is None:
-                sql = self._sql[sql_key] = _update_sql(mapping, assigned, key_positions, rows, by_key)
+                sql = _update_sql(mapping, assigned, key_positions, rows, by_key)
+                if self._guard_origin is not None:
+                    ours = f"{int(self._guard_origin)}::pg_catalog.oid"
+                    row_xmin = "t.xmin" if rows > 1 else "xmin"
+                    sql += (f" AND COALESCE((pg_catalog.pg_xact_commit_timestamp_origin({row_xmin}))"
+                            f".roident, {ours}) = {ours}")
+                self._sql[sql_key] = sql
         else:
             positions, by_key = first.shape[2], first.shape[3]
             for op in chunk:

@@ -83,6 +83,13 @@ class TargetSession:
             raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
         return self._check(result, sql.split(None, 1)[0])
 
+    def execute(self, sql: str, values: Sequence[bytes | None] = (),
+                formats: Sequence[int] | None = None, binary_result: bool = False) -> pq.abc.PGresult:
+        """Run one unnamed statement with per-parameter formats (bookkeeping with bytea values)."""
+        result = self.pgconn.exec_params(sql.encode(), list(values), None, formats,
+                                         1 if binary_result else 0)
+        return self._check(result, sql.split(None, 1)[0])
+
     def run(self, statement: Statement, values: Sequence[bytes | None],
             formats: Sequence[int]) -> pq.abc.PGresult:
         """Execute a cached statement, preparing it on first use in this session."""

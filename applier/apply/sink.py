@@ -4,6 +4,20 @@ One source transaction = one target transaction, ended by writing the progress r
 in that same transaction, so data and position are durable together or not at all. A transaction
 whose commit LSN is at or below the recorded position was applied before (redelivery after a
 restart) and is skipped whole.
+
+A transaction that is not simply applied (already applied, skipped on request or by origin,
+prepared or deferred two-phase) has a *divert* (``divert.py``) chosen at its begin or Origin
+message that receives its changes instead; the hot path pays one ``is not None`` test for it.
+Two-phase transactions, conflicts, origins, logical messages and skip requests live in their own
+modules and are reached through ``self.extensions``.
+
+Plain transactions take the fast path when it is enabled (``BatchLimits``): their row changes go
+to ``batch.Batch`` and several consecutive source transactions share one target transaction,
+committed with the progress row of the last one once a limit is reached or the stream pauses.
+Every batched statement must change an exact number of rows; any other outcome, or an error,
+rolls the batch back and the stretch is redone on the careful, row-by-row path above (where
+conflicts are detected, logged and resolved one by one). Diverted transactions always take the
+careful path, after whatever the batch holds has been committed.
 """
 
 from __future__ import annotations
@@ -14,22 +28,27 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import datetime
 
+from .. import faults
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
     KIND_BINARY, KIND_UNCHANGED, CommitPrepared, Delete, Insert, Message, Origin, Relation,
     RollbackPrepared, Truncate, TupleData, Type, Update,
 )
-from ..assembler import TransactionEnd, TransactionStart
+from ..assembler import Change, TransactionEnd, TransactionStart
+from ..sync.state import SyncFilter
 from .batch import Batch
+from .divert import Discard, Divert
+from .extensions import Extensions, default_extensions
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .relations import (
     MissingTargetColumn, MissingTargetTable, RelationMapping, TargetTable, map_relation,
     qualified_name,
 )
 from .session import TargetError, TargetSession
+from .skipping import Skipper
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
-from ..sync.state import SyncFilter
 
 __all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits"]
 
@@ -87,39 +106,39 @@ class TargetApplier:
 
     def __init__(self, session: TargetSession, reflect: Callable[[str, str], TargetTable],
                  slot: str, applied: AppliedPosition, on_commit: OnCommit, *,
-                 limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
-                 track_target_lsn: bool = False, sync_filter: SyncFilter | None = None) -> None:
+                 extensions: Extensions | None = None, limits: BatchLimits | None = None,
+                 careful_until: LSN = LSN(0), track_target_lsn: bool = False,
+                 sync_filter: SyncFilter | None = None) -> None:
         self.session = session
         self.reflect = reflect
         self.slot = slot
         self.applied = applied
         self.on_commit = on_commit
+        self.extensions = extensions or default_extensions(session, slot)
+        self.relations: dict[int, Relation] = {}
+        self._mappings: dict[int, RelationMapping] = {}
+        self._statements: dict[tuple[object, ...], Statement] = {}
+        self._conflicts = self.extensions.conflicts
+        self.conflicts: Counter[tuple[str, str]] = self._conflicts.counts
+        self.applied_counts: Counter[str] = Counter()   # committed on the target
+        self._pending_counts: Counter[str] = Counter()  # in the open target transaction
         self.limits = limits
         self.careful_until = careful_until
         self.track_target_lsn = track_target_lsn
-        self._batch = Batch()
+        self.sync_filter = sync_filter
+        # Fast-path updates carry the same origin guard as careful ones, so a row another origin
+        # wrote shows up as a row-count difference and goes to the careful path's detection.
+        self._batch = Batch(self._conflicts.origin_id)
         self._batch_open = False          # a target transaction holds fast-path work
         self._batch_last: TransactionEnd | None = None
         self._batch_started = 0.0
         self._batch_statements: dict[tuple, bytes] = {}
         self._batch_names = itertools.count(1)  # never reused: dropped shapes stay prepared
         self._fast = False                # the current source transaction uses the fast path
-        self.relations: dict[int, Relation] = {}
-        self._mappings: dict[int, RelationMapping] = {}
-        self._statements: dict[tuple[object, ...], Statement] = {}
-        self.conflicts: Counter[tuple[str, str]] = Counter()
-        self.applied_counts: Counter[str] = Counter()   # committed on the target
-        self._pending_counts: Counter[str] = Counter()  # in the open target transaction
         self._current: TransactionStart | None = None
-        self._skipping = False
+        self._divert: Divert | None = None
+        self._progress_sql = self.extensions.progress_sql or PROGRESS_SQL
         self.current_origin: Origin | None = None
-        # applier sync: changes to a table already in its copy (committed before its sync LSN).
-        self.sync_filter = sync_filter
-
-    @property
-    def current_xid(self) -> int | None:
-        """Source xid of the transaction being applied, if any (log context and metrics)."""
-        return self._current.xid if self._current is not None else None
 
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
@@ -133,6 +152,16 @@ class TargetApplier:
         self._batch_statements = {k: v for k, v in self._batch_statements.items()
                                   if k[0][1] != msg.relation_id}
         self._batch.forget(msg.relation_id)
+        if self._divert is not None:
+            self._divert.relation(msg)
+
+    def restore_relation(self, relation_id: int, relation: Relation | None) -> None:
+        """Put back a relation description after replaying older ones (deferred two-phase)."""
+        if relation is not None:
+            self.relation(relation)
+        else:
+            self.relations.pop(relation_id, None)
+            self._mappings.pop(relation_id, None)
 
     def type(self, msg: Type) -> None:
         # Values are cast by the target column's type, found by name; type OIDs are not needed.
@@ -157,12 +186,25 @@ class TargetApplier:
     def begin(self, txn: TransactionStart) -> None:
         self._current = txn
         self.current_origin = None
+        self._fast = False
         if self.sync_filter is not None:
             self.sync_filter.begin(txn.commit_lsn)
-        self._skipping = txn.commit_lsn <= self.applied.commit_lsn
-        if self._skipping:
+        if txn.commit_lsn <= self.applied.commit_lsn:
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
                      txn.xid, txn.commit_lsn, self.applied.commit_lsn)
+            self._divert = _ALREADY_APPLIED
+            return
+        skips = self.extensions.skips
+        if skips.lsn is not None:
+            if skips.matches(txn.commit_lsn):
+                self.flush()  # commit order: the batch goes first
+                self._divert = Skipper(self, txn)
+                return
+            if skips.passed_by(txn.commit_lsn):
+                skips.drop_stale(txn.commit_lsn)
+        if txn.gid is not None:
+            self.flush()
+            self._divert = self._two_phase("begin_prepare").begin(self, txn)
             return
         self._fast = self.limits is not None and txn.commit_lsn > self.careful_until
         if self._fast:
@@ -176,12 +218,24 @@ class TargetApplier:
 
     def origin(self, msg: Origin) -> None:
         self.current_origin = msg
+        if msg.name in self.extensions.origins.skip:
+            divert = self._divert
+            if divert is None or divert.abandonable:
+                if not self._fast:  # in a batch nothing of this transaction was recorded yet
+                    self._sql("ROLLBACK")
+                log.debug("dropping transaction %s from origin %r", self._current, msg.name)
+                self._divert = _SKIPPED_ORIGIN
+                self.applied_counts["skipped_origin"] += 1
 
     def commit(self, txn: TransactionEnd) -> None:
         self._current = None
-        if self._skipping:
-            self._skipping = False
+        divert = self._divert
+        if divert is not None:
+            self._divert = None
+            divert.commit(txn)
             return
+        if self.current_origin is not None:
+            self._origin_applied(txn)
         self._pending_counts["transactions"] += 1
         if self._fast:
             self._batch_last = txn
@@ -191,15 +245,23 @@ class TargetApplier:
                     or time.monotonic() - self._batch_started >= limits.seconds):
                 self.flush()
             return
-        self._sql(PROGRESS_SQL, _progress_values(self.slot, txn))
+        self.finish(txn.commit_lsn, txn.end_lsn, txn.commit_time)
+
+    def finish(self, commit_lsn: LSN, end_lsn: LSN, commit_time: datetime | None,
+               fault: str = "before_feedback") -> None:
+        """Record the position in the open target transaction, commit it, tell the source."""
+        self._sql(self._progress_sql, [self.slot.encode(), str(commit_lsn).encode(),
+                                       str(end_lsn).encode(),
+                                       commit_time.isoformat().encode() if commit_time else None])
         self._sql("COMMIT")
         self._count_committed()
         target_lsn = None
         if self.track_target_lsn:
             target_lsn = LSN.parse(self.session.sql("SELECT pg_catalog.pg_current_wal_insert_lsn()")
                                    .get_value(0, 0).decode())
-        self.applied = AppliedPosition(txn.commit_lsn, txn.end_lsn)
-        self.on_commit(txn.end_lsn, target_lsn)
+        self.applied = AppliedPosition(commit_lsn, end_lsn)
+        faults.hit(fault)
+        self.on_commit(end_lsn, target_lsn)
 
     @property
     def holds_uncommitted(self) -> bool:
@@ -218,7 +280,7 @@ class TargetApplier:
             with Pipeline(self.session.pgconn) as pipeline:
                 self._emit(pipeline)
                 if last is not None:
-                    pipeline.send(PROGRESS_SQL, _progress_values(self.slot, last))
+                    pipeline.send(self._progress_sql, _progress_values(self.slot, last))
                 # Row counts are checked before COMMIT is even sent: a mismatch must roll back.
                 pipeline.sync()
                 pipeline.send("COMMIT")
@@ -282,10 +344,18 @@ class TargetApplier:
         log.info("fast apply met %s; redoing up to %s row by row", exc, until)
         return ApplyError(f"fast path: {exc}", careful_until=until)
 
+    def _origin_applied(self, txn: TransactionEnd) -> None:
+        origin = self.current_origin
+        assert origin is not None
+        try:
+            self.extensions.origins.record_message(origin, txn.commit_lsn, txn.commit_time)
+        except TargetError as exc:
+            raise self._error(str(exc), transient=exc.transient) from exc
+
     def abort_open_transaction(self) -> None:
         """Roll back a transaction left open by an error, a lost source or a stop signal."""
         self._current = None
-        self._skipping = False
+        self._divert = None
         self._batch.clear()
         self._batch_open = False
         self._batch_last = None
@@ -294,26 +364,45 @@ class TargetApplier:
             self.session.sql("ROLLBACK")
 
     def prepare(self, txn: TransactionEnd) -> None:
-        raise self._error("two-phase transactions are not applied by this worker version; run "
-                          "with --no-two-phase (they then arrive at COMMIT PREPARED)")
+        self._current = None
+        divert = self._divert
+        self._divert = None
+        if divert is None:  # cannot happen: every prepared transaction has a divert
+            raise self._error(f"prepare of xid {txn.xid} without begin_prepare")
+        divert.prepare(txn)
 
     def commit_prepared(self, msg: CommitPrepared) -> None:
-        raise self._error("unexpected COMMIT PREPARED: two-phase decoding is not enabled")
+        self._two_phase("commit_prepared").commit_prepared(self, msg)
 
     def rollback_prepared(self, msg: RollbackPrepared) -> None:
-        raise self._error("unexpected ROLLBACK PREPARED: two-phase decoding is not enabled")
+        self._two_phase("rollback_prepared").rollback_prepared(self, msg)
+
+    def _two_phase(self, what: str):  # -> TwoPhase
+        handler = self.extensions.two_phase
+        if handler is None:
+            raise self._error(f"unexpected {what}: two-phase decoding is not enabled for this "
+                              "worker (protocol violation)")
+        return handler
 
     def message(self, msg: Message) -> None:
-        log.info("logical message prefix=%r lsn=%s (%d bytes)", msg.prefix, msg.lsn, len(msg.content))
+        """A non-transactional logical message: delivered at once, on its own."""
+        try:
+            self.extensions.messages.deliver(msg, msg.xid, None)
+        except TargetError as exc:
+            raise self._error(f"{exc} (delivering logical message at {msg.lsn})",
+                              transient=exc.transient) from exc
 
     # -- changes --------------------------------------------------------------------------------
-    def change(self, msg: Insert | Update | Delete | Truncate | Message) -> None:
-        if self._skipping:
+    def change(self, msg: Change) -> None:
+        divert = self._divert
+        if divert is not None:
+            divert.change(msg)
             return
         if self.sync_filter is not None and self.sync_filter.skipped:
-            msg = self._not_in_copy(msg)
-            if msg is None:
+            kept = self._not_in_copy(msg)
+            if kept is None:
                 return
+            msg = kept
         kind = type(msg)
         if kind is Insert:
             self._insert(msg)  # type: ignore[arg-type]
@@ -324,7 +413,21 @@ class TargetApplier:
         elif kind is Truncate:
             self._truncate(msg)  # type: ignore[arg-type]
         elif kind is Message:
-            self.message(msg)  # type: ignore[arg-type]
+            self._message(msg)  # type: ignore[arg-type]
+
+    def _apply(self, msg: Change) -> None:
+        """``change`` without the divert test, for a divert that applies (two-phase prepare)."""
+        self._APPLY[type(msg)](self, msg)
+
+    def _message(self, msg: Message) -> None:
+        """A transactional logical message, inside its transaction's target transaction."""
+        txn = self._current
+        try:
+            self.extensions.messages.deliver(msg, txn.xid if txn else msg.xid,
+                                             txn.commit_lsn if txn else None)
+        except TargetError as exc:
+            raise self._error(f"{exc} (delivering logical message at {msg.lsn})",
+                              transient=exc.transient) from exc
 
     def _insert(self, msg: Insert) -> None:
         mapping = self._mapping(msg.relation_id)
@@ -341,11 +444,11 @@ class TargetApplier:
             statement = self._statements[key] = insert_statement(mapping, present)
         result = self._execute(statement, new, None, mapping)
         if statement.conflict_key and _rowcount(result) == 0:
-            # The key exists already (redelivery, or a row written on the target): the source's
-            # row wins, as an update by that key.
-            self._conflict(mapping, "insert_exists")
-            self._execute(self._update_statement(mapping, present, NEW, statement.conflict_key, True),
-                          new, None, mapping)
+            # The key exists already (a row written on the target): under policy apply the
+            # source's row wins, as an update by that key.
+            if self._conflicts.insert_exists(self, mapping, new, statement.conflict_key):
+                self._execute(self._update_statement(mapping, present, NEW, statement.conflict_key,
+                                                     True), new, None, mapping)
 
     def _update(self, msg: Update) -> None:
         mapping = self._mapping(msg.relation_id)
@@ -366,11 +469,16 @@ class TargetApplier:
             self._batch.update(mapping, new, old)
             self._bound_batch()
             return
-        statement = self._update_statement(mapping, assigned, key_source, key_positions,
-                                           not mapping.full_identity)
-        result = self._execute(statement, new, old, mapping)
+        by_key = not mapping.full_identity
+        statement = self._update_statement(mapping, assigned, key_source, key_positions, by_key)
+        conflicts = self._conflicts
+        if conflicts.origin_id is None:
+            result = self._execute(statement, new, old, mapping)
+        else:  # only rows this worker wrote: else update_origin_differs
+            result = self._execute(conflicts.guard(statement), new, old, mapping)
         if _rowcount(result) == 0:
-            self._conflict(mapping, "update_missing")
+            conflicts.update_not_applied(self, mapping, new, old, key_source, key_positions, by_key,
+                                         statement)
 
     def _delete(self, msg: Delete) -> None:
         mapping = self._mapping(msg.relation_id)
@@ -391,7 +499,7 @@ class TargetApplier:
                                                                  not mapping.full_identity)
         result = self._execute(statement, None, old, mapping)
         if _rowcount(result) == 0:
-            self._conflict(mapping, "delete_missing")
+            self._conflicts.delete_missing(self, mapping, old, positions, not mapping.full_identity)
 
     def _truncate(self, msg: Truncate) -> None:
         names = [self._mapping(relation_id).table.sql_name for relation_id in msg.relation_ids]
@@ -421,6 +529,7 @@ class TargetApplier:
             return None
         return msg if len(kept) == len(ids) else replace(msg, relation_ids=kept)  # type: ignore[type-var]
 
+
     # -- helpers --------------------------------------------------------------------------------
     def _update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
                           key_positions: tuple[int, ...], by_key: bool) -> Statement:
@@ -445,15 +554,25 @@ class TargetApplier:
         except TargetError as exc:
             raise self._error(f"{exc} (table {self._name(mapping)})", transient=exc.transient) from exc
 
-    def _sql(self, sql: str, values: list[bytes | None] | None = None) -> None:
+    def _sql(self, sql: str, values: list[bytes | None] | None = None):  # -> PGresult
         try:
-            self.session.sql(sql, values)
+            return self.session.sql(sql, values)
         except TargetError as exc:
             raise self._error(str(exc), transient=exc.transient) from exc
 
-    def _conflict(self, mapping: RelationMapping, kind: str) -> None:
-        self.conflicts[(self._name(mapping), kind)] += 1
-        log.debug("conflict %s on %s", kind, self._name(mapping))
+    def _run(self, statement: Statement, values: list[bytes | None],
+             formats: list[int] | None = None):  # -> PGresult
+        """A bookkeeping statement (prepared once per session), text parameters by default."""
+        try:
+            return self.session.run(statement, values, formats or [0] * len(values))
+        except TargetError as exc:
+            raise self._error(str(exc), transient=exc.transient) from exc
+
+    def _query_binary(self, sql: str, values: list[bytes | None]):  # -> PGresult
+        try:
+            return self.session.execute(sql, values, binary_result=True)
+        except TargetError as exc:
+            raise self._error(str(exc), transient=exc.transient) from exc
 
     @staticmethod
     def _name(mapping: RelationMapping) -> str:
@@ -461,10 +580,22 @@ class TargetApplier:
 
     def _error(self, message: str, transient: bool = False) -> ApplyError:
         txn = self._current
-        if txn is not None:
+        if txn is not None and txn.gid is None:
             message = f"{message} [source transaction xid {txn.xid}, commit LSN {txn.commit_lsn}]"
+        elif txn is not None:
+            message = (f"{message} [source transaction xid {txn.xid}, GID {txn.gid!r}, finish "
+                       f"LSN {txn.commit_lsn}]")
         return ApplyError(message, transient=transient, commit_lsn=txn.commit_lsn if txn else None,
                           xid=txn.xid if txn else None)
+
+
+TargetApplier._APPLY = {  # type: ignore[attr-defined]
+    Insert: TargetApplier._insert, Update: TargetApplier._update, Delete: TargetApplier._delete,
+    Truncate: TargetApplier._truncate, Message: TargetApplier._message,
+}
+
+_ALREADY_APPLIED = Discard("already applied")
+_SKIPPED_ORIGIN = Discard("from a skipped origin")
 
 
 def _progress_values(slot: str, txn: TransactionEnd) -> list[bytes | None]:

@@ -6,7 +6,7 @@ or JSON with ``--json``. Exit status: 0 fine, 1 the slot is missing or a server 
 read, 3 the lag exceeds ``--max-lag``. Must never write to either database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
-``applier.skipped_transactions``) are read only when the target's catalog has them, so status
+``applier.skipped_transactions``, ``applier.origins``) are read only when the target's catalog has them, so status
 works on a target whatever version of the schema it carries.
 """
 
@@ -79,6 +79,7 @@ class StatusReport:
     table_sync: list[dict[str, Any]] | None
     conflicts: dict[str, int] | None
     skipped_transactions: dict[str, int] | None
+    origins: list[dict[str, Any]] | None
     spill_dir: str
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
@@ -156,6 +157,7 @@ def collect_status(settings: Settings) -> StatusReport:
         conflicts = _count_by_kind(target, "conflicts", slot_name) if "conflicts" in tables else None
         skipped = (_count_by_kind(target, "skipped_transactions", slot_name)
                    if "skipped_transactions" in tables else None)
+        origins = _rows_for_slot(target, "origins", slot_name) if "origins" in tables else None
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -174,7 +176,7 @@ def collect_status(settings: Settings) -> StatusReport:
                             if slot and slot.restart_lsn is not None else None),
         progress=progress, lag=lag, max_lag=limit.text if limit else None,
         lag_exceeded=bool(limit and limit.exceeded_by(lag)), prepared_transactions=prepared,
-        table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped,
+        table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
 
@@ -307,6 +309,9 @@ def render_table(report: StatusReport) -> str:
                           ("skipped transactions", report.skipped_transactions)):
         if counts is not None:
             rows.append((label, ", ".join(f"{k} {v}" for k, v in counts.items()) or "none"))
+    if report.origins:
+        rows.append(("origins", f"{len(report.origins)} origin(s)" + "".join(
+            f"\n  '{row['origin_name']}': origin LSN {row['origin_lsn']}" for row in report.origins)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
             "\n  " + " ".join(f"{k}={_jsonable(v)}" for k, v in row.items() if k != "slot_name")

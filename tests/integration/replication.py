@@ -27,22 +27,40 @@ def worker_command(source_db, target_db, *extra: str, slot: str = "s", publicati
 
 
 def run_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
-               expect_rc: int | None = 0, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run ``applier run --exit-when-caught-up`` to completion."""
+               expect_rc: int | None = 0, timeout: float = 180,
+               fault: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``applier run --exit-when-caught-up`` to completion. ``fault`` sets APPLIER_FAULT
+    (the worker kills itself there: expect_rc=-9)."""
     proc = subprocess.run(worker_command(source_db, target_db, "--exit-when-caught-up", *extra,
                                          slot=slot, publication=publication),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env=worker_env(fault))
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
+    if proc.returncode == -9:
+        wait_slot_inactive(source_db, slot)
     return proc
 
 
 def start_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
-                 log_path: Path | None = None) -> subprocess.Popen:
+                 log_path: Path | None = None, fault: str | None = None) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
     return subprocess.Popen(worker_command(source_db, target_db, *extra, slot=slot,
                                            publication=publication),
-                            stdout=out, stderr=out, cwd=REPO)
+                            stdout=out, stderr=out, cwd=REPO, env=worker_env(fault))
+
+
+def kill_worker(proc: subprocess.Popen, source_db, slot: str = "s") -> None:
+    """SIGKILL, then wait until the source has let go of the slot (as a restart would need)."""
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    wait_slot_inactive(source_db, slot)
+
+
+def wait_slot_inactive(source_db, slot: str = "s", timeout: float = 30) -> None:
+    wait_for(lambda: source_db.query("SELECT active FROM pg_replication_slots WHERE slot_name = %s",
+                                     (slot,)) in ([(False,)], []),
+             timeout=timeout, what=f"slot {slot!r} to be released")
 
 
 def stop_worker(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
@@ -85,5 +103,9 @@ def wait_for(predicate, timeout: float = 60, interval: float = 0.1, what: str = 
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def worker_env() -> dict[str, str]:
-    return dict(os.environ)
+def worker_env(fault: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("APPLIER_FAULT", None)
+    if fault:
+        env["APPLIER_FAULT"] = fault
+    return env

@@ -1,0 +1,164 @@
+"""Skipping a poison transaction: the failure names its LSN and the command; the skip is exact,
+crash-safe and recorded; prepared, deferred and streamed transactions; stale requests."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from replication import REPO, create_slot, run_worker
+
+pytestmark = pytest.mark.server
+
+TABLE = "CREATE TABLE t (id int PRIMARY KEY, v text)"
+POISON = "ALTER TABLE t ADD CONSTRAINT no_poison CHECK (v <> 'poison')"  # the target only
+
+
+def _setup(source_db, target_db, two_phase: bool = False) -> None:
+    source_db.execute(TABLE)
+    target_db.execute(TABLE)
+    target_db.execute(POISON)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    create_slot(source_db, two_phase=two_phase)
+
+
+def _ids(db) -> list[int]:
+    return [row[0] for row in db.query("SELECT id FROM t ORDER BY id")]
+
+
+def _failure_lsn(stderr: str) -> str:
+    match = re.search(r"applier skip --target <target DSN> --slot s --lsn ([0-9A-F]+/[0-9A-F]+)"
+                      r" \(or start the worker with --skip-lsn \1\)", stderr)
+    assert match, stderr[-3000:]
+    return match.group(1)
+
+
+def _skip(target_db, lsn: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
+                           "--slot", "s", "--lsn", lsn], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == expect_rc, done.stdout + done.stderr
+    return done
+
+
+def _skipped(target_db) -> list[tuple]:
+    return target_db.query("SELECT finish_lsn::text, kind, changes, tables FROM "
+                           "applier.skipped_transactions ORDER BY id")
+
+
+def _poison_transaction(source_db) -> None:
+    source_db.execute("INSERT INTO t VALUES (1, 'before')")
+    with source_db.connect() as conn, conn.transaction():
+        conn.execute("INSERT INTO t VALUES (2, 'same transaction')")
+        conn.execute("INSERT INTO t VALUES (3, 'poison')")
+    source_db.execute("INSERT INTO t VALUES (4, 'after')")
+
+
+@pytest.mark.parametrize("how", ["skip-command", "run-option"])
+def test_poison_transaction_is_named_then_skipped_exactly(source_db, target_db, how: str) -> None:
+    _setup(source_db, target_db)
+    _poison_transaction(source_db)
+    failed = run_worker(source_db, target_db, expect_rc=1)
+    assert "violates check constraint" in failed.stderr
+    lsn = _failure_lsn(failed.stderr)
+    assert _ids(target_db) == [1]
+    if how == "skip-command":
+        said = _skip(target_db, lsn)
+        assert f"finishing at {lsn} will be skipped" in said.stdout
+        done = run_worker(source_db, target_db)
+    else:
+        done = run_worker(source_db, target_db, "--skip-lsn", lsn)
+    assert "skipped source transaction" in done.stderr
+    assert _ids(target_db) == [1, 4]
+    assert [(kind, changes, tables) for _, kind, changes, tables in _skipped(target_db)] == [
+        ("commit", 2, ["public.t"])]
+    assert target_db.query("SELECT finish_lsn = %s::pg_lsn FROM applier.skipped_transactions",
+                           (lsn,)) == [(True,)]
+    assert target_db.query("SELECT count(*) FROM applier.skip_requests") == [(0,)]
+    # The request is spent: restarting with the same --skip-lsn changes nothing.
+    again = run_worker(source_db, target_db, "--skip-lsn", lsn)
+    assert "--skip-lsn ignored" in again.stderr
+    source_db.execute("INSERT INTO t VALUES (5, 'later')")
+    run_worker(source_db, target_db)
+    assert _ids(target_db) == [1, 4, 5] and len(_skipped(target_db)) == 1
+
+
+def test_skip_survives_a_crash_before_the_source_is_told(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    _poison_transaction(source_db)
+    lsn = _failure_lsn(run_worker(source_db, target_db, expect_rc=1).stderr)
+    _skip(target_db, lsn)
+    run_worker(source_db, target_db, fault="after_skip", expect_rc=-9)
+    assert len(_skipped(target_db)) == 1
+    run_worker(source_db, target_db)  # the source resends it: already past, skipped whole
+    assert _ids(target_db) == [1, 4] and len(_skipped(target_db)) == 1
+
+
+def test_skip_a_streamed_transaction(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    with source_db.connect() as conn, conn.transaction():
+        conn.execute("INSERT INTO t SELECT g, repeat(md5(g::text), 4) FROM generate_series(1, 2000) g")
+        conn.execute("INSERT INTO t VALUES (5000, 'poison')")
+    source_db.execute("INSERT INTO t VALUES (6000, 'after')")
+    lsn = _failure_lsn(run_worker(source_db, target_db, expect_rc=1).stderr)
+    run_worker(source_db, target_db, "--skip-lsn", lsn)
+    assert _ids(target_db) == [6000]
+    assert [(kind, changes) for _, kind, changes, _ in _skipped(target_db)] == [("stream_commit", 2001)]
+
+
+def test_skip_a_prepared_transaction_in_prepare_mode(source_db, target_db) -> None:
+    _setup(source_db, target_db, two_phase=True)
+    with source_db.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO t VALUES (1, 'poison')")
+        conn.execute("PREPARE TRANSACTION 'bad'")
+    source_db.execute("INSERT INTO t VALUES (2, 'after')")
+    failed = run_worker(source_db, target_db, "--two-phase-mode", "prepare", expect_rc=1)
+    assert "GID 'bad', finish LSN" in failed.stderr
+    lsn = _failure_lsn(failed.stderr)  # the prepare LSN
+    run_worker(source_db, target_db, "--two-phase-mode", "prepare", "--skip-lsn", lsn)
+    assert _ids(target_db) == [2]
+    source_db.execute("COMMIT PREPARED 'bad'")  # the source commits it: nothing to commit here
+    run_worker(source_db, target_db, "--two-phase-mode", "prepare")
+    assert _ids(target_db) == [2]
+    assert [kind for _, kind, _, _ in _skipped(target_db)] == ["prepare"]
+    assert target_db.query("SELECT count(*) FROM pg_prepared_xacts "
+                           "WHERE database = current_database()") == [(0,)]
+
+
+def test_skip_a_deferred_transaction_at_commit_prepared(source_db, target_db) -> None:
+    _setup(source_db, target_db, two_phase=True)
+    with source_db.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO t VALUES (1, 'poison')")
+        conn.execute("INSERT INTO t VALUES (2, 'same transaction')")
+        conn.execute("PREPARE TRANSACTION 'bad'")
+    run_worker(source_db, target_db, "--two-phase-mode", "defer")  # deferred: nothing fails yet
+    source_db.execute("COMMIT PREPARED 'bad'")
+    source_db.execute("INSERT INTO t VALUES (3, 'after')")
+    failed = run_worker(source_db, target_db, "--two-phase-mode", "defer", expect_rc=1)
+    lsn = _failure_lsn(failed.stderr)  # the COMMIT PREPARED LSN
+    _skip(target_db, lsn)
+    run_worker(source_db, target_db, "--two-phase-mode", "defer")
+    assert _ids(target_db) == [3]
+    assert [(kind, changes) for _, kind, changes, _ in _skipped(target_db)] == [("commit_prepared", 2)]
+    assert target_db.query("SELECT count(*) FROM applier.prepared_changes") == [(0,)]
+
+
+def test_requests_that_cannot_match(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO t VALUES (1, 'a')")
+    run_worker(source_db, target_db)
+    applied = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0][0]
+    behind = _skip(target_db, applied, expect_rc=1)
+    assert "already applied everything up to" in behind.stderr
+    # An LSN no transaction finishes at: dropped with a warning once the stream passes it.
+    position = source_db.query("SELECT pg_current_wal_lsn()::text")[0][0]
+    _skip(target_db, position)
+    source_db.execute("INSERT INTO t VALUES (2, 'b')")
+    done = run_worker(source_db, target_db)
+    assert "skip request for slot 's' at LSN" in done.stderr and "dropped" in done.stderr
+    assert _ids(target_db) == [1, 2]
+    assert target_db.query("SELECT count(*) FROM applier.skip_requests") == [(0,)]

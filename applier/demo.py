@@ -2,8 +2,9 @@
 
 Starts a source and a target PostgreSQL from the binaries the project installs, creates a small
 shop schema on both and a few thousand rows on the source, runs ``applier sync`` (slot, snapshot
-copy, then streaming) while a workload writes (small transactions, a large transaction the server
-streams in progress, rows deleted and updated),
+copy, then streaming, with two-phase decoding) while a workload writes (small transactions, a
+large transaction the server streams in progress, a two-phase transaction, rows deleted and
+updated),
 shows progress and lag live, stops the worker, runs ``applier verify`` on every table, prints a summary
 and removes the servers (``--keep`` leaves them running and prints their connection strings).
 Must never touch a server it did not start.
@@ -78,6 +79,19 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
         return 2
 
 
+def _two_phase_step(conn: psycopg.Connection, next_order: list[int]) -> int:
+    """A two-phase transaction: prepared (the worker applies and prepares it on the target),
+    then committed. Returns the rows it changed."""
+    order = next_order[0]
+    next_order[0] += 10
+    conn.execute("BEGIN")
+    conn.execute("INSERT INTO orders SELECT g, 1, 'sku-1', 1, 1.00, '{\"two_phase\": true}' "
+                 "FROM generate_series(%s::bigint, %s::bigint) g", (order, order + 9))
+    conn.execute("PREPARE TRANSACTION 'demo-order-batch'")
+    conn.execute("COMMIT PREPARED 'demo-order-batch'")
+    return 10
+
+
 def _lag(source: psycopg.Connection) -> int:
     """Bytes of source WAL the slot has not confirmed yet (0 before sync has made the slot)."""
     row = source.execute("SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots "
@@ -105,7 +119,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "(slot, snapshot copy, then streaming) while the workload writes ...")
         worker = subprocess.Popen([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
                                    "--target", target_db.dsn, "--slot", "demo", "--publication",
-                                   "demo_pub", "--jobs", "2", "--log-level", "WARNING"])
+                                   "demo_pub", "--jobs", "2", "--two-phase", "--log-level", "WARNING"])
         rng = random.Random(42)
         next_order = [1]
         rows = 2200
@@ -113,11 +127,15 @@ def run_demo(args: argparse.Namespace) -> int:
         max_lag = 0
         started = time.monotonic()
         last_report = started
-        bulk_done = False
+        bulk_done = prepared_done = False
         with source_db.connect() as writer, source_db.connect() as watcher:
             while time.monotonic() - started < args.seconds:
-                bulk = not bulk_done and time.monotonic() - started > args.seconds / 3
+                elapsed_now = time.monotonic() - started
+                bulk = not bulk_done and elapsed_now > args.seconds / 3
                 bulk_done |= bulk
+                if not prepared_done and elapsed_now > args.seconds * 2 / 3:
+                    rows += _two_phase_step(writer, next_order)
+                    prepared_done = True
                 rows += _workload_step(writer, rng, next_order, bulk)
                 transactions += 1
                 time.sleep(0.004)  # a steady OLTP trickle of about 200 transactions/s

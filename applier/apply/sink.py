@@ -140,6 +140,11 @@ class TargetApplier:
         self._progress_sql = self.extensions.progress_sql or PROGRESS_SQL
         self.current_origin: Origin | None = None
 
+    @property
+    def current_xid(self) -> int | None:
+        """Source xid of the transaction being applied, if any (log context and metrics)."""
+        return self._current.xid if self._current is not None else None
+
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
         # A new Relation message means the source schema may have changed: rebuild the mapping

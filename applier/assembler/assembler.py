@@ -223,12 +223,24 @@ class Assembler:
 
     def _commit_prepared(self, msg: CommitPrepared, raw: bytes) -> None:
         self._require_idle(f"commit_prepared of xid {msg.xid} at commit LSN {msg.commit_lsn}")
+        self._drop_restreamed(msg.xid)
         self._sink.commit_prepared(msg)
 
     def _rollback_prepared(self, msg: RollbackPrepared, raw: bytes) -> None:
         self._require_idle(
             f"rollback_prepared of xid {msg.xid} at end LSN {msg.rollback_end_lsn}")
+        self._drop_restreamed(msg.xid)
         self._sink.rollback_prepared(msg)
+
+    def _drop_restreamed(self, xid: int) -> None:
+        """After a restart past a prepare, the server decodes the prepared transaction again (its
+        changes precede the restart position), may stream them once over its memory limit, and
+        then, its prepare being already confirmed, sends only Commit/Rollback Prepared
+        (reorderbuffer.c: ReorderBufferFinishPrepared). Those streamed changes are never needed:
+        PostgreSQL's own worker leaves them in its spool file; we drop them here."""
+        buffer = self._streams.get(xid)
+        if buffer is not None:
+            self._drop(buffer)
 
     # -- streamed transactions ---------------------------------------------------------------
 

@@ -196,6 +196,22 @@ def test_stream_prepare(sink: RecordingSink, spill_dir: Path) -> None:
     assert sink.values() == [b"p"] and asm.open_streamed_xids == ()
 
 
+@pytest.mark.parametrize("finish", ["commit", "rollback"])
+def test_restreamed_changes_of_an_already_confirmed_prepare_are_dropped(
+        sink: RecordingSink, spill_dir: Path, finish: str) -> None:
+    """After a restart past its prepare, the server may stream a prepared transaction's changes
+    again and then send only Commit/Rollback Prepared: the buffer goes, and with it the spill."""
+    asm = make(sink, spill_dir, budget=64 * 1024)
+    feed(asm, stream_start(62, first=True), *(insert(1, b"x" * 1000, xid=62) for _ in range(100)),
+         stream_stop())
+    assert spill_files(spill_dir) and not asm.idle
+    end = (commit_prepared(62, 0x900, 0x910, "g62") if finish == "commit"
+           else rollback_prepared(62, 0x800, 0x910, "g62"))
+    feed(asm, end)
+    assert sink.names() == [f"{finish}_prepared"]
+    assert asm.idle and asm.memory_bytes == 0 and spill_files(spill_dir) == []
+
+
 def test_empty_stream_commit_after_start(sink: RecordingSink, spill_dir: Path) -> None:
     asm = make(sink, spill_dir)
     feed(asm, stream_start(61, first=True), stream_stop(), stream_commit(61, 0x10, 0x20))

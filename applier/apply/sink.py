@@ -302,6 +302,7 @@ class TargetApplier:
         self._count_committed()
         if last is not None:
             self.applied = AppliedPosition(last.commit_lsn, last.end_lsn)
+            faults.hit("before_feedback")
             self.on_commit(last.end_lsn, target_lsn[0] if target_lsn else None)
 
     def _count_committed(self) -> None:

@@ -392,6 +392,8 @@ class TargetApplier:
 
     def message(self, msg: Message) -> None:
         """A non-transactional logical message: delivered at once, on its own."""
+        if self._current is None:
+            self.flush()  # source transactions that committed before it are written before it
         try:
             self.extensions.messages.deliver(msg, msg.xid, None)
         except TargetError as exc:
@@ -428,6 +430,8 @@ class TargetApplier:
     def _message(self, msg: Message) -> None:
         """A transactional logical message, inside its transaction's target transaction."""
         txn = self._current
+        if self._fast and self._batch:
+            self._send_batch()  # the rows before it are written before it, as on the source
         try:
             self.extensions.messages.deliver(msg, txn.xid if txn else msg.xid,
                                              txn.commit_lsn if txn else None)

@@ -17,28 +17,19 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 
 import psycopg
 
 from .embedded import ServerSettings, start_server
 from .verify import format_table, verify
 
+DEMO_GID = "demo-order-batch"
 SCHEMA = """
 CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, created timestamptz DEFAULT now());
 CREATE TABLE products (sku text PRIMARY KEY, title text, price numeric(10,2), tags text[]);
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int NOT NULL, sku text NOT NULL,
                      qty int NOT NULL, total numeric(12,2), note jsonb);
 """
-
-
-@dataclass
-class DemoResult:
-    rows: int
-    transactions: int
-    seconds: float
-    max_lag_bytes: int
-    equal: bool
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,16 +70,15 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
         return 2
 
 
-def _two_phase_step(conn: psycopg.Connection, next_order: list[int]) -> int:
-    """A two-phase transaction: prepared (the worker applies and prepares it on the target),
-    then committed. Returns the rows it changed."""
+def _prepare_step(conn: psycopg.Connection, next_order: list[int]) -> int:
+    """Prepare a two-phase transaction (the worker applies it and prepares it on the target) and
+    leave it pending while later transactions commit. Returns the rows it changes."""
     order = next_order[0]
     next_order[0] += 10
     conn.execute("BEGIN")
     conn.execute("INSERT INTO orders SELECT g, 1, 'sku-1', 1, 1.00, '{\"two_phase\": true}' "
                  "FROM generate_series(%s::bigint, %s::bigint) g", (order, order + 9))
-    conn.execute("PREPARE TRANSACTION 'demo-order-batch'")
-    conn.execute("COMMIT PREPARED 'demo-order-batch'")
+    conn.execute(f"PREPARE TRANSACTION '{DEMO_GID}'")
     return 10
 
 
@@ -127,15 +117,23 @@ def run_demo(args: argparse.Namespace) -> int:
         max_lag = 0
         started = time.monotonic()
         last_report = started
-        bulk_done = prepared_done = False
+        bulk_done = committed = False
+        prepared_at: float | None = None
         with source_db.connect() as writer, source_db.connect() as watcher:
             while time.monotonic() - started < args.seconds:
                 elapsed_now = time.monotonic() - started
                 bulk = not bulk_done and elapsed_now > args.seconds / 3
                 bulk_done |= bulk
-                if not prepared_done and elapsed_now > args.seconds * 2 / 3:
-                    rows += _two_phase_step(writer, next_order)
-                    prepared_done = True
+                if prepared_at is None and elapsed_now > args.seconds / 2:
+                    rows += _prepare_step(writer, next_order)
+                    prepared_at = elapsed_now
+                    say(f"  {elapsed_now:5.1f}s  prepared two-phase transaction {DEMO_GID!r}; "
+                        "later transactions commit while it is pending")
+                elif prepared_at is not None and not committed and elapsed_now > args.seconds * 3 / 4:
+                    writer.execute(f"COMMIT PREPARED '{DEMO_GID}'")
+                    committed = True
+                    say(f"  {elapsed_now:5.1f}s  COMMIT PREPARED {DEMO_GID!r} after "
+                        f"{elapsed_now - prepared_at:.1f}s pending")
                 rows += _workload_step(writer, rng, next_order, bulk)
                 transactions += 1
                 time.sleep(0.004)  # a steady OLTP trickle of about 200 transactions/s

@@ -378,9 +378,13 @@ class TargetApplier:
         divert.prepare(txn)
 
     def commit_prepared(self, msg: CommitPrepared) -> None:
+        # COMMIT PREPARED cannot run inside a transaction block, and commit order puts the
+        # transactions the fast path holds first.
+        self.flush()
         self._two_phase("commit_prepared").commit_prepared(self, msg)
 
     def rollback_prepared(self, msg: RollbackPrepared) -> None:
+        self.flush()
         self._two_phase("rollback_prepared").rollback_prepared(self, msg)
 
     def _two_phase(self, what: str):  # -> TwoPhase

@@ -183,13 +183,9 @@ class TwoPhase:
         applier._current = TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time,
                                             streamed=False, gid=msg.gid, end_lsn=msg.end_lsn)
         skips = applier.extensions.skips
-        gid = self.gid(msg.xid)
         skipping = skips.matches(msg.commit_lsn)
-        if self._is_prepared(applier, gid):
-            applier._sql(f"{'ROLLBACK' if skipping else 'COMMIT'} PREPARED {_literal(gid)}")
-            faults.hit("after_commit_prepared")
-        applier._sql("BEGIN")
-        header = self._take_header(applier, msg.xid)
+        header = self._end_prepared(applier, msg.xid, "ROLLBACK" if skipping else "COMMIT",
+                                    "after_commit_prepared")
         if header is not None and header.mode == "defer":
             skipping = skipping or skips.matches(header.prepare_lsn)
             if not skipping:
@@ -217,18 +213,24 @@ class TwoPhase:
             log.info("rollback prepared of xid %d ending at %s: already applied", msg.xid,
                      msg.rollback_end_lsn)
             return
-        gid = self.gid(msg.xid)
-        if self._is_prepared(applier, gid):
-            applier._sql(f"ROLLBACK PREPARED {_literal(gid)}")
-            faults.hit("after_rollback_prepared")
-        applier._sql("BEGIN")
-        header = self._take_header(applier, msg.xid)
+        header = self._end_prepared(applier, msg.xid, "ROLLBACK", "after_rollback_prepared")
         if header is not None and header.mode == "defer":
             applier._sql(_DROP_CHUNKS, [self.slot.encode(), str(msg.xid).encode()])
         # A rollback has no commit LSN: the recorded commit LSN stays, the end LSN moves on.
         applier.finish(applier.applied.commit_lsn, msg.rollback_end_lsn, msg.rollback_time)
 
     # -- helpers --------------------------------------------------------------------------------
+    def _end_prepared(self, applier: TargetApplier, xid: int, verb: str, fault: str) -> _Header | None:
+        """Finish the target's prepared transaction (if it is still there: it is not when this
+        already happened before a crash, or in defer mode), then open the target transaction that
+        records the outcome, and take the transaction's header from the pending table."""
+        gid = self.gid(xid)
+        if self._is_prepared(applier, gid):
+            applier._sql(f"{verb} PREPARED {_literal(gid)}")
+            faults.hit(fault)
+        applier._sql("BEGIN")
+        return self._take_header(applier, xid)
+
     def _is_prepared(self, applier: TargetApplier, gid: str) -> bool:
         return applier._sql(_IS_PREPARED, [gid.encode()]).ntuples > 0
 

@@ -108,6 +108,28 @@ def test_prepare_then_commit_or_rollback(source_db, target_db, mode: str) -> Non
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_commit_and_rollback_prepared_behind_a_batch(source_db, target_db, mode: str) -> None:
+    """A backlog read in one burst: the fast path still holds a batch of committed transactions
+    when COMMIT PREPARED or ROLLBACK PREPARED arrives, and both must run outside that block."""
+    _setup(source_db, target_db)
+    run_worker(source_db, target_db, *_mode(mode))
+    _prepared(source_db, "c", _events(1, 3))
+    _prepared(source_db, "r", _events(2, 3))
+    for i in range(20):
+        source_db.execute(_events(100 + i))
+    source_db.execute("COMMIT PREPARED 'c'")
+    for i in range(20):
+        source_db.execute(_events(200 + i))
+    source_db.execute("ROLLBACK PREPARED 'r'")
+    source_db.execute(_events(300))
+    run_worker(source_db, target_db, *_mode(mode))
+    counts = _counts(target_db)
+    assert counts.get(1) == 3 and 2 not in counts and counts.get(300) == 1
+    assert_same_rows(source_db, target_db, "events")
+    _nothing_left(target_db)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_empty_prepared_transactions_and_savepoints(source_db, target_db, mode: str) -> None:
     _setup(source_db, target_db)
     _prepared(source_db, "empty", "INSERT INTO unpublished VALUES (1)")

@@ -135,6 +135,10 @@ def _transient(exc: BaseException) -> bool:
 
 def _log_retry(state: RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome else None
+    if isinstance(exc, ApplyError) and exc.careful_until is not None:
+        # Not a failure: a conflict or an unexpected row count in a batch, redone row by row.
+        log.info("batch rolled back (%s); applying up to %s row by row", exc, exc.careful_until)
+        return
     wait = state.next_action.sleep if state.next_action else 0
     log.warning("session ended: %s; reconnecting in %.1f s (attempt %d)", exc, wait, state.attempt_number)
 

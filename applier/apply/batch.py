@@ -71,10 +71,11 @@ def _present(row: TupleData) -> tuple[int, ...]:
 
 
 class Batch:
-    def __init__(self, guard_origin: int | None = None) -> None:
-        # With a replication origin of our own: updates only touch rows this worker (or no
-        # origin) wrote last; another origin's row changes no row, so the count differs.
-        self._guard_origin = guard_origin
+    def __init__(self, guard: Callable[[str], str] | None = None) -> None:
+        # With update_origin_differs detection: ``guard(xmin)`` is the SQL test that this worker
+        # wrote the row last; updates carry it, so another origin's row changes no row and the
+        # count differs.
+        self._guard = guard
         self._ops: list[_Op | None] = []
         self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
         self._key_getters: dict[int, Callable[[tuple], object]] = {}
@@ -228,11 +229,8 @@ class Batch:
                 _collect(op.old if source == OLD else op.row, key_positions, values, formats)
             if sql is None:
                 sql = _update_sql(mapping, assigned, key_positions, rows, by_key)
-                if self._guard_origin is not None:
-                    ours = f"{int(self._guard_origin)}::pg_catalog.oid"
-                    row_xmin = "t.xmin" if rows > 1 else "xmin"
-                    sql += (f" AND COALESCE((pg_catalog.pg_xact_commit_timestamp_origin({row_xmin}))"
-                            f".roident, {ours}) = {ours}")
+                if self._guard is not None:
+                    sql += " AND " + self._guard("t.xmin" if rows > 1 else "xmin")
                 self._sql[sql_key] = sql
         else:
             positions, by_key = first.shape[2], first.shape[3]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from itertools import count
 from typing import TYPE_CHECKING
 
@@ -50,7 +51,7 @@ from .statements import NEW, OLD, Statement, _row_filter
 if TYPE_CHECKING:
     from .sink import TargetApplier
 
-__all__ = ["ConflictHandler", "CONFLICT_TYPES"]
+__all__ = ["ConflictHandler", "CONFLICT_TYPES", "read_copy_xids"]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +66,17 @@ def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+def read_copy_xids(session: TargetSession, slot: str) -> tuple[int, ...]:
+    """The target xids of the slot's initial-copy transactions (``applier.copy_transactions``)."""
+    result = session.sql("SELECT xid FROM applier.copy_transactions WHERE slot_name = $1",
+                         [slot.encode()])
+    return tuple(int(result.get_value(row, 0)) for row in range(result.ntuples))
+
+
 class ConflictHandler:
     def __init__(self, session: TargetSession, slot: str, default_policy: str = "apply",
                  table_policies: dict[tuple[str, str], str] | None = None,
-                 origin_id: int | None = None) -> None:
+                 origin_id: int | None = None, copy_xids: Sequence[int] = ()) -> None:
         self.session = session
         self.slot = slot
         self.default_policy = default_policy
@@ -76,6 +84,8 @@ class ConflictHandler:
         #: The worker's own replication origin id on the target when update_origin_differs is
         #: detected (PostgreSQL 16+, track_commit_timestamp, tagged session), else None.
         self.origin_id = origin_id
+        #: Target xids of applier sync's copy transactions: their rows have no origin but are ours.
+        self.copy_xids = tuple(copy_xids)
         self.counts: Counter[tuple[str, str]] = Counter()
         self._statements: dict[tuple[object, ...], Statement] = {}
 
@@ -89,13 +99,20 @@ class ConflictHandler:
         guarded = self._statements.get(key)
         if guarded is None:
             assert " WHERE " in statement.sql and " RETURNING " not in statement.sql
-            ours = f"{int(self.origin_id or 0)}::pg_catalog.oid"
             guarded = self._statements[key] = Statement(
                 f"applier_conflict_{next(_names)}".encode(),
-                f"{statement.sql} AND COALESCE((pg_catalog."
-                f"pg_xact_commit_timestamp_origin(xmin)).roident, {ours}) = {ours}",
-                statement.params)
+                f"{statement.sql} AND {self.written_by_us('xmin')}", statement.params)
         return guarded
+
+    def written_by_us(self, xmin: str) -> str:
+        """SQL: the row version whose ``xmin`` this is was written by this worker (its origin, a
+        copy of applier sync, or an origin no longer known, as after freezing)."""
+        ours = f"{int(self.origin_id or 0)}::pg_catalog.oid"
+        test = f"COALESCE((pg_catalog.pg_xact_commit_timestamp_origin({xmin})).roident, {ours}) = {ours}"
+        if self.copy_xids:
+            listed = ",".join(str(int(x)) for x in self.copy_xids)
+            test = f"({test} OR {xmin}::text::bigint = ANY ('{{{listed}}}'::bigint[]))"
+        return test
 
     def insert_exists(self, applier: TargetApplier, mapping: RelationMapping, new: TupleData,
                       key: tuple[int, ...]) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import parse_conflict_policies
-from .conflicts import ConflictHandler
+from .conflicts import ConflictHandler, read_copy_xids
 from .messages import MessageSink
 from .origins import PROGRESS_WITH_ORIGIN_SQL, OriginTag, OriginTracker, default_origin_name, tag_session
 from .session import TargetError, TargetSession
@@ -85,7 +85,8 @@ def setup_extensions(session: TargetSession, slot: str, *, two_phase: bool,
         log.info("writes tagged with replication origin %r (id %s); update_origin_differs "
                  "detection %s", tag.name, tag.roident, reason)
     default_policy, table_policies = parse_conflict_policies(list(conflict_policy))
-    conflicts = ConflictHandler(session, slot, default_policy, table_policies, origin_id)
+    copy_xids = read_copy_xids(session, slot) if origin_id is not None else ()
+    conflicts = ConflictHandler(session, slot, default_policy, table_policies, origin_id, copy_xids)
     handler = None
     if two_phase:
         mode = resolve_mode(two_phase_mode, info.max_prepared_transactions)

@@ -128,7 +128,8 @@ class TargetApplier:
         self.sync_filter = sync_filter
         # Fast-path updates carry the same origin guard as careful ones, so a row another origin
         # wrote shows up as a row-count difference and goes to the careful path's detection.
-        self._batch = Batch(self._conflicts.origin_id)
+        self._batch = Batch(self._conflicts.written_by_us if self._conflicts.origin_id is not None
+                            else None)
         self._batch_open = False          # a target transaction holds fast-path work
         self._batch_last: TransactionEnd | None = None
         self._batch_started = 0.0

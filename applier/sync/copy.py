@@ -21,7 +21,7 @@ from ..apply.relations import quote_ident
 from .catalog import PublishedTable
 from .progress import CopyProgress
 from .snapshot import ExportedSnapshot, source_session
-from .state import mark_done
+from .state import mark_done, record_copy_transaction
 from .target import TargetPlan, build_secondary_indexes, target_session
 
 __all__ = ["CopyFailed", "CopyStopped", "CopyTask", "plan_tasks", "source_copy_sql", "copy_tables"]
@@ -152,6 +152,7 @@ class _Copier:
         self.progress.range_started(key, pid)
         try:
             with target.transaction():
+                record_copy_transaction(target, self.slot)
                 with source.cursor() as reader, reader.copy(source_copy_sql(task)) as out, \
                         target.cursor().copy(target_copy_sql(task.plan)) as into:
                     for chunk in out:

@@ -16,7 +16,7 @@ from sqlalchemy import Engine, text
 from ..protocol.lsn import LSN
 
 __all__ = ["SyncIncomplete", "TableState", "SyncFilter", "read_states", "table_sync_lsns",
-           "start_copies", "mark_done"]
+           "start_copies", "mark_done", "record_copy_transaction"]
 
 TableName = tuple[str, str]  # (schema, table)
 
@@ -80,6 +80,14 @@ def mark_done(conn: psycopg.Connection, slot: str, table: TableName, sync_lsn: L
                  "rows_copied = %s, bytes_copied = %s, finished_at = now() "
                  "WHERE slot_name = %s AND schema_name = %s AND table_name = %s",
                  (str(sync_lsn), rows, nbytes, slot, table[0], table[1]))
+
+
+def record_copy_transaction(conn: psycopg.Connection, slot: str) -> None:
+    """In a copy's target transaction: note its xid, so that the worker knows the rows it wrote
+    (which carry no replication origin) as its own, not as local writes of another origin."""
+    conn.execute("INSERT INTO applier.copy_transactions (slot_name, xid) "
+                 "VALUES (%s, pg_catalog.txid_current() %% 4294967296) ON CONFLICT DO NOTHING",
+                 (slot,))
 
 
 class SyncFilter:

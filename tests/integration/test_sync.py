@@ -262,3 +262,24 @@ def test_non_empty_target_refused_unless_truncate(source_db, target_db) -> None:
     assert target_db.query("SELECT count(*) FROM t")[0][0] == 2
     run_sync(source_db, target_db, "--truncate-target")
     assert_same_rows(source_db, target_db, "t")
+
+
+def test_copied_rows_are_the_workers_own_not_another_origins(source_db, target_db) -> None:
+    """Rows applier sync copied carry no replication origin; on PostgreSQL 16+ with
+    track_commit_timestamp the worker must still know them as its own (no update_origin_differs,
+    no fall back to row-by-row apply), while a genuine local write on the target is a conflict."""
+    source_db.execute("CREATE TABLE c (id int PRIMARY KEY, n int)")
+    target_db.execute("CREATE TABLE c (id int PRIMARY KEY, n int)")
+    source_db.execute("INSERT INTO c SELECT g, 0 FROM generate_series(1, 3000) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE c")
+    run_sync(source_db, target_db, "--jobs", "2")
+    source_db.execute("UPDATE c SET n = n + 1")
+    bulk = run_worker(source_db, target_db, "--log-level", "INFO")
+    assert "row by row" not in bulk.stderr, bulk.stderr[-3000:]
+    assert target_db.query("SELECT count(*) FROM applier.conflicts") == [(0,)]
+    target_db.execute("UPDATE c SET n = -1 WHERE id = 5")  # a local write
+    source_db.execute("UPDATE c SET n = n + 1 WHERE id IN (5, 6)")
+    run_worker(source_db, target_db)
+    expected = [("update_origin_differs", "5")] if target_db.version >= 16 else []
+    assert target_db.query("SELECT conflict_type, key->>'id' FROM applier.conflicts") == expected
+    assert_same_rows(source_db, target_db, "c")

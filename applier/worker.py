@@ -263,7 +263,9 @@ class Worker:
             def on_commit(end_lsn: LSN, target_lsn: LSN | None) -> None:
                 self._progressed = True
                 if target_lsn is None:
+                    # Durable now, and so is every earlier commit: the WAL is flushed in order.
                     stream.confirm(end_lsn)
+                    self._unflushed.clear()
                 else:
                     self._unflushed.append((target_lsn, end_lsn))
 
@@ -365,8 +367,12 @@ class Worker:
         last_flush_check = 0.0
         while not self.stop_requested:
             # While the fast path holds uncommitted work, only take what has already arrived;
-            # the moment the stream pauses, commit it.
-            data = stream.read(timeout=0 if applier.holds_uncommitted else 0.5)
+            # the moment the stream pauses, commit it. Waiting for the target's WAL flush or (to
+            # exit when caught up) for a keepalive past the goal, look again soon: a keepalive
+            # asked for may still show the position before the goal.
+            waiting = self._unflushed or (self.caught_up is not None
+                                          and stream.flush_lsn < self.caught_up.goal)
+            data = stream.read(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
             if data is not None:
                 message = decode(data.payload, assembler.in_stream)
                 assembler.feed(message, data.payload)
@@ -375,7 +381,7 @@ class Worker:
             elif not assembler.idle:
                 continue
             if data is None and applier.holds_uncommitted:
-                applier.flush()
+                applier.flush(durable=True)
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
                 self._confirm_flushed(stream, applier)
                 last_flush_check = time.monotonic()

@@ -333,6 +333,10 @@ class TargetApplier:
 
     def _emit(self, pipeline: Pipeline) -> None:
         for statement in self._batch.statements():
+            if statement.copy_data is not None:
+                log.debug("%s: %d rows", statement.sql, statement.expected_rows)
+                pipeline.copy(statement.sql, statement.copy_data, statement.expected_rows)
+                continue
             if statement.cache_key is None:
                 pipeline.send(statement.sql, expected_rows=statement.expected_rows)
                 continue

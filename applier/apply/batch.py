@@ -5,12 +5,14 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   are overwritten anyway; only a superset of their columns may replace them, and never across a
   key change, a delete or a truncate of that table);
 - an insert followed by updates of the same row becomes one insert of the final row;
-- runs of inserts (same table, same columns) become multi-row INSERTs, runs of deletes by key one
+- runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
+  text format, else multi-row INSERTs; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
-  count; the caller then rolls the batch back and redoes that stretch on the careful, row-by-row
-  path, which resolves, counts and logs each conflict.
+  count (a COPY meeting an existing key fails with a unique violation instead); the caller then
+  rolls the batch back and redoes that stretch on the careful, row-by-row path, which resolves,
+  counts and logs each conflict.
 
 Must never send anything itself (the pipeline does) or decide batch boundaries (the sink does).
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from ..protocol.messages import KIND_BINARY, KIND_UNCHANGED, TupleData
+from .copy import copy_sql, copy_text
 from .relations import RelationMapping, quote_ident
 from .statements import NEW, OLD, delete_sql, update_sql
 
@@ -31,6 +34,9 @@ _INSERT, _UPDATE, _DELETE, _SQL = 0, 1, 2, 3
 #: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
+#: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
+#: COPY (one more round trip) costs more than the statements it replaces.
+COPY_MIN_ROWS = 200
 
 
 @dataclass(slots=True)
@@ -47,11 +53,12 @@ class _Op:
 class BatchStatement:
     """One statement to send: a cache key for its prepared form, SQL, values and the row count."""
 
-    cache_key: tuple | None        # None: send unprepared (rare statements)
+    cache_key: tuple | None        # None: send unprepared (rare statements, COPY)
     sql: str
     values: list[bytes | None]
     formats: list[int]
     expected_rows: int | None
+    copy_data: bytes | None = None  # COPY ... FROM STDIN: its rows in text format
 
 
 _ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
@@ -189,6 +196,11 @@ class Batch:
         if first.kind == _SQL:
             yield BatchStatement(None, first.sql, [], [], None)
             return
+        if first.kind == _INSERT and len(run) >= COPY_MIN_ROWS:
+            copy = self._copy(run)
+            if copy is not None:
+                yield copy
+                return
         per_row = self._params_per_row(first)
         largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
         position = 0
@@ -197,6 +209,24 @@ class Batch:
             chunk = run[position:position + size]
             position += size
             yield self._chunk(chunk)
+
+    @staticmethod
+    def _copy(run: list[_Op]) -> BatchStatement | None:
+        """The run as one COPY, when every row has every column and all of them in text."""
+        mapping = run[0].mapping
+        assert mapping is not None
+        if len(run[0].shape[2]) != len(mapping.target_columns):
+            return None
+        rows = []
+        for op in run:
+            row = op.row
+            assert row is not None
+            if KIND_BINARY in row.kinds:
+                return None
+            rows.append(row.values)
+        columns = [quote_ident(column.name) for column in mapping.target_columns]
+        return BatchStatement(None, copy_sql(mapping.table.sql_name, columns), [], [], len(rows),
+                              copy_text(rows))  # type: ignore[arg-type]
 
     @staticmethod
     def _params_per_row(op: _Op) -> int:

@@ -103,6 +103,33 @@ class Pipeline:
         self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
         self._flush()
 
+    def copy(self, sql: str, data: bytes, expected_rows: int | None) -> None:
+        """``COPY ... FROM STDIN`` with ``data``. libpq runs no COPY in pipeline mode: what is
+        queued is synced first (its errors and counts raised as by ``sync``), then the COPY runs
+        on its own and pipeline mode is entered again."""
+        if self._queued:
+            self.sync()
+        pgconn = self.pgconn
+        pgconn.exit_pipeline_mode()
+        pgconn.nonblocking = 0
+        queued = _Queued(_abbreviate(sql), expected_rows)
+        try:
+            result = pgconn.exec_(sql.encode())
+            if result.status == pq.ExecStatus.COPY_IN:
+                if pgconn.put_copy_data(data) != 1 or pgconn.put_copy_end() != 1:
+                    self._check_connection()
+                result = pgconn.get_result()
+            while result is not None:
+                self._take(result, queued)
+                result = pgconn.get_result()
+            self._check_connection()
+        finally:
+            if pgconn.status == pq.ConnStatus.OK:
+                pgconn.nonblocking = 1
+                pgconn.enter_pipeline_mode()
+        self.round_trips += 1
+        self._raise_outcome()
+
     def sync(self) -> None:
         """End the batch and read every result; raise the first error, else any row-count mismatch."""
         self.pgconn.pipeline_sync()
@@ -110,6 +137,9 @@ class Pipeline:
         self._flush()
         self._read(block=True, until_empty=True)
         self.round_trips += 1
+        self._raise_outcome()
+
+    def _raise_outcome(self) -> None:
         error, mismatch = self._error, self._mismatch
         self._error = self._mismatch = None
         if error is not None:

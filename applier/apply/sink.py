@@ -274,23 +274,32 @@ class TargetApplier:
         """Fast-path work is waiting for its commit (the worker flushes when the stream is idle)."""
         return self._batch_open
 
-    def flush(self) -> None:
+    def flush(self, durable: bool = False) -> None:
         """Commit the fast path's target transaction: its rows and the progress row naming the
         last source transaction in it in one pipeline round trip, then (every row count being as
-        expected) COMMIT in a second."""
+        expected) COMMIT in a second.
+
+        ``durable``: commit with synchronous_commit on even when the session runs with it off.
+        The worker asks for it when the stream is idle: the source position can then be
+        confirmed at once, instead of after the target's WAL writer has flushed (up to three
+        wal_writer_delay later), and the one flush also covers every earlier asynchronous commit.
+        """
         if not self._batch_open:
             return
         last = self._batch_last
+        asynchronous = self.track_target_lsn and not durable
         target_lsn: list[LSN] = []
         try:
             with Pipeline(self.session.pgconn) as pipeline:
                 self._emit(pipeline)
                 if last is not None:
                     pipeline.send(self._progress_sql, _progress_values(self.slot, last))
+                if self.track_target_lsn and durable:
+                    pipeline.send("SET LOCAL synchronous_commit = on")
                 # Row counts are checked before COMMIT is even sent: a mismatch must roll back.
                 pipeline.sync()
                 pipeline.send("COMMIT")
-                if self.track_target_lsn:
+                if asynchronous:
                     pipeline.send("SELECT pg_catalog.pg_current_wal_insert_lsn()",
                                   on_value=lambda v: target_lsn.append(LSN.parse(v.decode())))
                 pipeline.sync()
@@ -325,6 +334,10 @@ class TargetApplier:
 
     def _emit(self, pipeline: Pipeline) -> None:
         for statement in self._batch.statements():
+            if statement.copy_data is not None:
+                log.debug("%s: %d rows", statement.sql, statement.expected_rows)
+                pipeline.copy(statement.sql, statement.copy_data, statement.expected_rows)
+                continue
             if statement.cache_key is None:
                 pipeline.send(statement.sql, expected_rows=statement.expected_rows)
                 continue

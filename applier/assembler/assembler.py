@@ -184,7 +184,8 @@ class Assembler:
     # -- plain transactions ------------------------------------------------------------------
 
     def _begin(self, msg: Begin, raw: bytes) -> None:
-        self._require_idle(f"begin of xid {msg.xid} (final LSN {msg.final_lsn})")
+        if self._plain is not None or self._block is not None:  # the description only for errors
+            self._require_idle(f"begin of xid {msg.xid} (final LSN {msg.final_lsn})")
         self._plain = _PlainTransaction(msg.xid, msg.final_lsn, two_phase=False)
         self._sink.begin(TransactionStart(msg.xid, msg.final_lsn, msg.commit_time, streamed=False,
                                           gid=None, end_lsn=None))
@@ -197,13 +198,13 @@ class Assembler:
 
     def _commit(self, msg: Commit, raw: bytes) -> None:
         plain = self._plain
-        where = f"commit at commit LSN {msg.commit_lsn}"
         if plain is None or plain.two_phase:
-            raise ProtocolSequenceError(f"{where} without begin" + (
+            raise ProtocolSequenceError(f"commit at commit LSN {msg.commit_lsn} without begin" + (
                 f" (xid {plain.xid} began with begin_prepare)" if plain is not None else ""))
         if msg.commit_lsn != plain.lsn:
             raise ProtocolSequenceError(
-                f"{where} does not match the final LSN {plain.lsn} of its begin (xid {plain.xid})")
+                f"commit at commit LSN {msg.commit_lsn} does not match the final LSN {plain.lsn} "
+                f"of its begin (xid {plain.xid})")
         self._plain = None
         self._sink.commit(TransactionEnd(plain.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
                                          streamed=False, gid=None))

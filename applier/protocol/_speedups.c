@@ -1,5 +1,7 @@
 /*
- * C accelerator for the pgoutput hot path: Insert, Update and Delete messages.
+ * C accelerator for the pgoutput hot path: Insert, Update and Delete messages, and the text
+ * COPY rows the apply stage builds from their values (copy_text; applier/apply/copy.py holds
+ * the pure-Python reference).
  *
  * Owns nothing but speed. It builds exactly the objects the pure-Python decoder builds
  * (applier/protocol/decoder.py is the reference): the same frozen dataclasses, the same field
@@ -381,6 +383,98 @@ init(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* Bytes of one value in COPY text format: \N for NULL, else the value with backslash, tab,
+ * newline and carriage return escaped. */
+static inline Py_ssize_t
+copy_field_size(PyObject *value)
+{
+    const char *p;
+    Py_ssize_t n, i, size;
+    if (value == Py_None)
+        return 2;
+    p = PyBytes_AS_STRING(value);
+    n = PyBytes_GET_SIZE(value);
+    size = n;
+    for (i = 0; i < n; i++)
+        if (p[i] == '\\' || p[i] == '\t' || p[i] == '\n' || p[i] == '\r')
+            size++;
+    return size;
+}
+
+static inline char *
+copy_field(char *out, PyObject *value)
+{
+    const char *p;
+    Py_ssize_t n, i;
+    if (value == Py_None) {
+        *out++ = '\\';
+        *out++ = 'N';
+        return out;
+    }
+    p = PyBytes_AS_STRING(value);
+    n = PyBytes_GET_SIZE(value);
+    for (i = 0; i < n; i++) {
+        switch (p[i]) {
+        case '\\': *out++ = '\\'; *out++ = '\\'; break;
+        case '\t': *out++ = '\\'; *out++ = 't'; break;
+        case '\n': *out++ = '\\'; *out++ = 'n'; break;
+        case '\r': *out++ = '\\'; *out++ = 'r'; break;
+        default: *out++ = p[i];
+        }
+    }
+    return out;
+}
+
+/* copy_text(rows): rows is a list of tuples of bytes or None, all of one width. Two passes:
+ * size the result exactly, then fill it, so a large run costs one allocation. */
+static PyObject *
+copy_text(PyObject *module, PyObject *rows)
+{
+    Py_ssize_t nrows, r, c, width, size = 0;
+    PyObject *result, *row;
+    char *out;
+
+    if (!PyList_Check(rows)) {
+        PyErr_SetString(PyExc_TypeError, "copy_text() expects a list of tuples");
+        return NULL;
+    }
+    nrows = PyList_GET_SIZE(rows);
+    for (r = 0; r < nrows; r++) {
+        row = PyList_GET_ITEM(rows, r);
+        if (!PyTuple_Check(row)) {
+            PyErr_SetString(PyExc_TypeError, "copy_text() expects a list of tuples");
+            return NULL;
+        }
+        width = PyTuple_GET_SIZE(row);
+        for (c = 0; c < width; c++) {
+            PyObject *value = PyTuple_GET_ITEM(row, c);
+            if (value != Py_None && !PyBytes_CheckExact(value)) {
+                PyErr_Format(PyExc_TypeError, "copy_text(): row %zd column %zd is %.100s, not "
+                             "bytes or None", r + 1, c + 1, Py_TYPE(value)->tp_name);
+                return NULL;
+            }
+            size += copy_field_size(value) + 1;  /* the tab after it, or the newline */
+        }
+        if (width == 0)
+            size += 1;
+    }
+    result = PyBytes_FromStringAndSize(NULL, size);
+    if (result == NULL)
+        return NULL;
+    out = PyBytes_AS_STRING(result);
+    for (r = 0; r < nrows; r++) {
+        row = PyList_GET_ITEM(rows, r);
+        width = PyTuple_GET_SIZE(row);
+        for (c = 0; c < width; c++) {
+            out = copy_field(out, PyTuple_GET_ITEM(row, c));
+            *out++ = c + 1 < width ? '\t' : '\n';
+        }
+        if (width == 0)
+            *out++ = '\n';
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
      "init(TupleData, Insert, Update, Delete, UNCHANGED_TOAST, insert_fallback, "
@@ -392,6 +486,8 @@ static PyMethodDef methods[] = {
      "decode_update(buf, in_stream)\n--\n\nDecode an Update message (type byte 'U')."},
     {"decode_delete", (PyCFunction)(void (*)(void))decode_delete, METH_FASTCALL,
      "decode_delete(buf, in_stream)\n--\n\nDecode a Delete message (type byte 'D')."},
+    {"copy_text", copy_text, METH_O,
+     "copy_text(rows)\n--\n\nRows (a list of tuples of bytes or None) as COPY text format."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -176,3 +176,40 @@ def test_conflicts_hand_the_batch_to_the_careful_path(source_db, target_db) -> N
     assert "redoing up to" in finished.stderr
     rows = target_db.query("SELECT id, v FROM t ORDER BY id")
     assert rows == sorted(source_db.query("SELECT id, v FROM t") + [(50, "target only, kept")])
+
+
+def test_long_insert_runs_go_by_copy(source_db, target_db) -> None:
+    """A run of inserts into one table at least COPY_MIN_ROWS long is sent as one COPY: values
+    that need COPY's escapes, NULLs, the string \\N and tables with and without a key arrive
+    exactly as the source has them."""
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE k (id int PRIMARY KEY, t text, n numeric, ts timestamptz, a text[])")
+        db.execute("CREATE TABLE nokey (t text, j jsonb)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE k, nokey")
+    create_slot(source_db)
+    source_db.execute(
+        "INSERT INTO k SELECT g, CASE g % 5 WHEN 0 THEN E'tab\\there' WHEN 1 THEN "
+        "E'back\\\\slash\\nnew\\rline' WHEN 2 THEN NULL WHEN 3 THEN '\\N' ELSE '日本 ✓' END, "
+        "g / 7.0, timestamptz '2024-01-01 00:00+02' + g * interval '1 min', "
+        "ARRAY['x\\y', NULL, E'q\"\\t'] FROM generate_series(1, 1000) g")
+    source_db.execute("INSERT INTO nokey SELECT E'line\\n' || g, jsonb_build_object('k', g, 's', "
+                      "E'a\\\\b') FROM generate_series(1, 500) g")
+    finished = run_worker(source_db, target_db, "--log-level", "DEBUG")
+    assert 'COPY "public"."k"' in finished.stderr and 'COPY "public"."nokey"' in finished.stderr
+    assert_same_rows(source_db, target_db, "k", "nokey")
+
+
+def test_copy_meeting_an_existing_key_goes_to_the_careful_path(source_db, target_db) -> None:
+    """A COPY fails on a key the target already has: the batch is rolled back and redone row by
+    row, where the insert_exists conflict is resolved (the source row wins) and logged."""
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE k (id int PRIMARY KEY, v text)")
+    target_db.execute("INSERT INTO k VALUES (300, 'target only, replaced')")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE k")
+    create_slot(source_db)
+    source_db.execute("INSERT INTO k SELECT g, 'v' || g FROM generate_series(1, 1000) g")
+    finished = run_worker(source_db, target_db, "--log-level", "DEBUG")
+    assert 'COPY "public"."k"' in finished.stderr and "redoing up to" in finished.stderr
+    assert_same_rows(source_db, target_db, "k")
+    assert target_db.query("SELECT conflict_type, key FROM applier.conflicts") == [
+        ("insert_exists", {"id": 300})]

@@ -3,7 +3,7 @@ and the exact row counts every statement must affect."""
 
 from __future__ import annotations
 
-from applier.apply.batch import Batch
+from applier.apply.batch import COPY_MIN_ROWS, Batch
 from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
@@ -66,17 +66,34 @@ def test_delete_and_key_change_end_folding() -> None:
 
 def test_runs_become_multi_row_statements_in_a_small_ladder_of_sizes() -> None:
     batch, mapping = Batch(), _mapping()
-    for n in range(1234):
+    for n in range(123):  # below COPY_MIN_ROWS
         batch.insert(mapping, _row(str(n).encode(), b"v", None))
     for n in range(12):
         batch.delete(mapping, _row(str(n).encode(), None, None))
     statements = list(batch.statements())
     sizes = [(s.sql.split()[0], s.expected_rows) for s in statements]
-    assert sizes == [("INSERT", 1000), ("INSERT", 100), ("INSERT", 100), ("INSERT", 10),
-                     ("INSERT", 10), ("INSERT", 10), ("INSERT", 1), ("INSERT", 1), ("INSERT", 1),
+    assert sizes == [("INSERT", 100), ("INSERT", 10), ("INSERT", 10), ("INSERT", 1), ("INSERT", 1),
                      ("INSERT", 1), ("DELETE", 10), ("DELETE", 1), ("DELETE", 1)]
-    assert sum(s.expected_rows for s in statements if s.sql.startswith("INSERT")) == 1234
-    assert len({s.cache_key for s in statements}) == 6  # one prepared form per (shape, size)
+    assert sum(s.expected_rows for s in statements if s.sql.startswith("INSERT")) == 123
+    assert len({s.cache_key for s in statements}) == 5  # one prepared form per (shape, size)
+
+
+def test_long_insert_runs_become_one_copy_unless_a_value_is_binary() -> None:
+    batch, mapping = Batch(), _mapping()
+    for n in range(COPY_MIN_ROWS + 34):
+        batch.insert(mapping, _row(str(n).encode(), b"tab\there", None))
+    (statement,) = batch.statements()
+    assert statement.sql == 'COPY "public"."t" ("id", "v", "big") FROM STDIN'
+    assert statement.expected_rows == COPY_MIN_ROWS + 34 and statement.cache_key is None
+    assert statement.copy_data is not None
+    assert statement.copy_data.startswith(b"0\ttab\\there\t\\N\n1\t")  # the tab escaped
+
+    batch.clear()
+    for n in range(COPY_MIN_ROWS):
+        batch.insert(mapping, _row(str(n).encode(), b"v", None))
+    batch.insert(mapping, TupleData(b"tbn", (b"1000", b"\x00", None)))  # a binary value
+    kinds = {s.sql.split()[0] for s in batch.statements()}
+    assert kinds == {"INSERT"}
 
 
 def test_full_identity_changes_stand_alone_and_truncate_orders_everything() -> None:

@@ -1,0 +1,53 @@
+"""COPY text format for runs of inserts: pgoutput text values in, ``COPY ... FROM STDIN`` data out.
+
+The fast path sends a long run of inserts into one table as one COPY rather than multi-row
+INSERTs: the target parses and plans no statement per thousand rows and converts each value with
+the column type's input function, exactly as the INSERT's cast of a text parameter does. The
+values are the bytes received; only COPY's own escapes are added (backslash, tab, newline,
+carriage return; ``\\N`` for NULL). Binary values (``--binary``) cannot be written in text format:
+such rows stay on multi-row INSERTs.
+
+``copy_text`` runs in C when the accelerator is built (``_speedups.copy_text``);
+``copy_text_pure`` is the reference, and ``APPLIER_PURE_PYTHON=1`` selects it as it does for the
+decoder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+
+__all__ = ["copy_text", "copy_text_pure", "copy_sql"]
+
+Row = tuple[bytes | None, ...]
+
+
+def _field(value: bytes | None) -> bytes:
+    if value is None:
+        return b"\\N"
+    if b"\\" in value or b"\t" in value or b"\n" in value or b"\r" in value:
+        value = (value.replace(b"\\", b"\\\\").replace(b"\t", b"\\t").replace(b"\n", b"\\n")
+                 .replace(b"\r", b"\\r"))
+    return value
+
+
+def copy_text_pure(rows: list[Row]) -> bytes:
+    """``rows`` (tuples of bytes or None) as COPY text format, one line per row."""
+    return b"".join(b"\t".join(map(_field, row)) + b"\n" for row in rows)
+
+
+def _accelerated() -> Callable[[list[Row]], bytes] | None:
+    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
+        return None
+    try:
+        from ..protocol import _speedups  # type: ignore[attr-defined]  # built only with a compiler
+    except ImportError:
+        return None
+    return _speedups.copy_text
+
+
+copy_text: Callable[[list[Row]], bytes] = _accelerated() or copy_text_pure
+
+
+def copy_sql(table_sql_name: str, quoted_columns: Sequence[str]) -> str:
+    return f"COPY {table_sql_name} ({', '.join(quoted_columns)}) FROM STDIN"

@@ -285,7 +285,8 @@ class Worker:
                                     track_target_lsn=settings.synchronous_commit == "off",
                                     sync_filter=sync_filter,
                                     extensions=self._extensions(target, options))
-            assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir)
+            assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir,
+                                  heartbeat=stream.send_status_if_due)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())

@@ -30,6 +30,9 @@ from .sink import TransactionEnd, TransactionSink, TransactionStart
 
 __all__ = ["Assembler"]
 
+#: How many replayed changes of a streamed transaction pass between two heartbeat calls.
+HEARTBEAT_EVERY = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class _PlainTransaction:
@@ -43,10 +46,14 @@ class _PlainTransaction:
 class Assembler:
     """Feed every decoded message with ``feed(msg, raw)``; the sink receives transactions."""
 
-    def __init__(self, sink: TransactionSink, *, memory_budget: int, spill_dir: Path) -> None:
+    def __init__(self, sink: TransactionSink, *, memory_budget: int, spill_dir: Path,
+                 heartbeat: Callable[[], None] | None = None) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {memory_budget}")
         self._sink = sink
+        # Called every HEARTBEAT_EVERY changes of a replayed streamed transaction: applying a
+        # large one takes longer than the source waits for a sign of life.
+        self._heartbeat = heartbeat
         self._budget = memory_budget
         self._spill_dir = spill_dir
         spill_dir.mkdir(parents=True, exist_ok=True)
@@ -307,7 +314,10 @@ class Assembler:
         sink = self._sink
         try:
             sink.begin(start)
-            for raw in buffer.replay():
+            heartbeat = self._heartbeat
+            for n, raw in enumerate(buffer.replay(), 1):
+                if heartbeat is not None and n % HEARTBEAT_EVERY == 0:
+                    heartbeat()
                 msg = decode(raw, in_stream=True)
                 kind = type(msg)
                 if kind is Relation:

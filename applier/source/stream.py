@@ -191,7 +191,7 @@ class ReplicationStream:
         pgconn = self.connection.pgconn
         deadline = time.monotonic() + timeout
         while True:
-            self._maybe_send_status()
+            self.send_status_if_due()
             nbytes, data = pgconn.get_copy_data(1)
             if nbytes == 0:
                 # Nothing complete in libpq's buffer: look at the socket (even with no time left,
@@ -240,7 +240,10 @@ class ReplicationStream:
         if flush_lsn > self.flush_lsn:
             self.flush_lsn = LSN(flush_lsn)
 
-    def _maybe_send_status(self) -> None:
+    def send_status_if_due(self) -> None:
+        """A status update when ``status_interval`` has passed since the last one: also called
+        while a long transaction is applied without reading, so the source's
+        ``wal_sender_timeout`` never mistakes a busy worker for a dead one."""
         if time.monotonic() - self._last_status >= self.status_interval:
             self.send_status()
 

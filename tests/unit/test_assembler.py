@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from applier.assembler import Assembler, ProtocolSequenceError, TransactionEnd, TransactionStart
+from applier.assembler.assembler import HEARTBEAT_EVERY
 from applier.protocol import (
     LSN, Delete, Insert, Message, Origin, Relation, Truncate, Type, Update, decode,
 )
@@ -238,6 +239,21 @@ def test_spill_keeps_memory_within_budget(sink: RecordingSink, spill_dir: Path) 
     assert sink.names() == ["begin"] + ["change"] * len(values) + ["commit"]
     assert spill_files(spill_dir) == []
     assert asm.memory_bytes == 0 and asm.spilled_bytes == 0
+
+
+def test_long_replay_calls_the_heartbeat(sink: RecordingSink, spill_dir: Path) -> None:
+    """Replaying a large streamed transaction keeps telling the source the worker is alive."""
+    beats: list[int] = []
+    asm = Assembler(sink, memory_budget=4096, spill_dir=spill_dir,
+                    heartbeat=lambda: beats.append(len(sink.names())))
+    feed(asm, stream_start(80, first=True))
+    for i in range(3 * HEARTBEAT_EVERY + 5):
+        feed(asm, insert(1, f"row-{i}".encode(), xid=80))
+    feed(asm, stream_stop())
+    assert beats == []  # buffering reads the stream anyway
+    feed(asm, stream_commit(80, 0xB00, 0xB10))
+    # sink: begin, then changes; beat n comes before the (n * HEARTBEAT_EVERY)-th change
+    assert beats == [n * HEARTBEAT_EVERY for n in (1, 2, 3)]
 
 
 def test_spill_picks_largest_buffer(sink: RecordingSink, spill_dir: Path) -> None:

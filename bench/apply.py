@@ -35,7 +35,7 @@ from applier.embedded import Database, PostgresServer, ServerSettings, start_ser
 #: track_commit_timestamp at PostgreSQL's default (off): the workloads load their starting rows
 #: on each target locally, and with it on, both contenders would meet every first update of those
 #: rows as an update of another origin's row (update_origin_differs), which a replica started by
-#: applier sync or a subscription's initial copy never sees.
+#: applier sync never sees.
 TARGET_SETTINGS = ServerSettings.target(fsync="on", full_page_writes="on",
                                         track_commit_timestamp="off")
 SOURCE_SETTINGS = ServerSettings.source(max_wal_size="4GB")

@@ -20,6 +20,7 @@ import psycopg
 from ..apply.relations import quote_ident
 from .catalog import PublishedTable
 from .progress import CopyProgress
+from .relay import relay
 from .snapshot import ExportedSnapshot, source_session
 from .state import mark_done
 from .target import TargetPlan, build_secondary_indexes, target_session
@@ -154,10 +155,7 @@ class _Copier:
             with target.transaction():
                 with source.cursor() as reader, reader.copy(source_copy_sql(task)) as out, \
                         target.cursor().copy(target_copy_sql(task.plan)) as into:
-                    for chunk in out:
-                        into.write(chunk)
-                        self.progress.add_bytes(key, len(chunk))
-                    rows = reader.rowcount  # COPY TO's command tag; closing the cursor resets it
+                    rows = relay(out, into, lambda nbytes: self.progress.add_bytes(key, nbytes))
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
                              transient=isinstance(exc, psycopg.OperationalError)) from exc

@@ -3,6 +3,7 @@ overlap (PostgreSQL 15 and 18)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,10 +23,11 @@ def sync_command(source_db, target_db, *extra: str, slot: str = "s", publication
 
 
 def run_sync(source_db, target_db, *extra: str, expect_rc: int | None = 0, publication: str = "pub",
-             timeout: float = 300) -> subprocess.CompletedProcess:
+             timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(sync_command(source_db, target_db, "--exit-when-caught-up", *extra,
                                        publication=publication),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
@@ -67,11 +69,17 @@ def test_concurrent_pgbench_workload_during_copy(pg_pair, source_db, target_db) 
 SMALL_TABLES = 25
 
 
-def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db) -> None:
+@pytest.mark.parametrize("relay", ["C", "Python"])
+def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db, relay: str) -> None:
+    if relay == "C":
+        pytest.importorskip("applier.sync._relay", reason="the C relay is not built")
     schema = ["CREATE TYPE mood AS ENUM ('sad', 'happy')",
               "CREATE TABLE big (id bigint PRIMARY KEY, payload text, n numeric)",
               "CREATE TABLE typed (id int PRIMARY KEY, m mood, arr int[], j jsonb, ts timestamptz, "
-              "iv interval, f float8, b bytea)"]
+              "iv interval, f float8, b bytea)",
+              # No rows: a binary COPY still sends its header and trailer, a text COPY nothing.
+              "CREATE TABLE empty_binary (id int PRIMARY KEY)",
+              "CREATE TABLE empty_text (id int PRIMARY KEY, m mood)"]
     schema += [f'CREATE TABLE "Small {i}" (id int PRIMARY KEY, v text)' for i in range(SMALL_TABLES)]
     for statement in schema:
         source_db.execute(statement)
@@ -82,16 +90,20 @@ def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db)
                       "'2024-02-29 12:34:56.789+05:30', '1 year 2 mons 04:05:06.789', "
                       "1.0000000000000002, '\\x00ff'), (2, NULL, NULL, NULL, 'infinity', NULL, "
                       "'NaN', NULL)")
+    # A row larger than a relay block (the C relay's 256 kB, the Python relay's 64 kB).
+    source_db.execute("INSERT INTO typed (id, b) VALUES (3, convert_to(repeat('0123456789', 40000), 'UTF8'))")
     for i in range(SMALL_TABLES):
         source_db.execute(f'INSERT INTO "Small {i}" SELECT g, %s FROM generate_series(1, {i + 1}) g',
                           (f"t{i}",))
     source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
-    proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "128kB")
+    proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "128kB",
+                    env={"APPLIER_PURE_PYTHON": "1" if relay == "Python" else "0"})
+    assert f"relaying in {relay}" in proc.stderr
     pieces = int(proc.stderr.split(" piece(s)")[0].rsplit(" ", 1)[1])
-    assert pieces > SMALL_TABLES + 2 + 5, "big must have been cut into several block ranges"
+    assert pieces > SMALL_TABLES + 4 + 5, "big must have been cut into several block ranges"
     assert "copied \"public\".\"typed\"" in proc.stderr and "(text COPY)" in proc.stderr
     assert "copied \"public\".\"big\"" in proc.stderr
-    tables = ["big", "typed"] + [f'"Small {i}"' for i in range(SMALL_TABLES)]
+    tables = ["big", "typed", "empty_binary", "empty_text"] + [f'"Small {i}"' for i in range(SMALL_TABLES)]
     assert_same_rows(source_db, target_db, *tables)
     # The stream continues exactly where the copy ended.
     source_db.execute("UPDATE big SET payload = 'changed' WHERE id % 1000 = 0")

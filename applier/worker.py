@@ -312,8 +312,11 @@ class Worker:
         last_flush_check = 0.0
         while not self.stop_requested:
             # While the fast path holds uncommitted work, only take what has already arrived;
-            # the moment the stream pauses, commit it.
-            data = stream.read(timeout=0 if applier.holds_uncommitted else 0.5)
+            # the moment the stream pauses, commit it. Short of the caught-up goal, an idle stream
+            # is only waiting for the keepalive asked for below: look again soon.
+            waiting_for_goal = self.caught_up is not None and stream.flush_lsn < self.caught_up.goal
+            data = stream.read(timeout=0 if applier.holds_uncommitted else
+                               0.05 if waiting_for_goal else 0.5)
             if data is not None:
                 message = decode(data.payload, assembler.in_stream)
                 assembler.feed(message, data.payload)
@@ -326,21 +329,20 @@ class Worker:
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
                 self._confirm_flushed(stream, applier)
                 last_flush_check = time.monotonic()
+            if not applier.holds_uncommitted and not self._unflushed:
+                # Nothing open, buffered or unflushed: everything the server sent is applied and
+                # durable, so the position it last reported having sent is safe to confirm too.
+                if stream.keepalive_wal_end > stream.flush_lsn:
+                    stream.confirm(stream.keepalive_wal_end)
+                elif self.caught_up is not None and stream.flush_lsn < self.caught_up.goal:
+                    # Ask for a keepalive: its WAL end tells us when nothing more is coming.
+                    stream.send_status(reply_requested=True)
             # Caught up needs no pause in the stream (a busy source may never pause): only that
             # the confirmed position passed the goal and the slot has it.
             if (self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
                     and self._slot_confirmed(stream, control)):
                 log.info("caught up: the slot confirmed %s", stream.flush_lsn)
                 return
-            if applier.holds_uncommitted or self._unflushed:
-                continue
-            # Nothing open, buffered or unflushed: everything the server sent is applied and
-            # durable, so the position it last reported having sent is safe to confirm too.
-            if stream.keepalive_wal_end > stream.flush_lsn:
-                stream.confirm(stream.keepalive_wal_end)
-            elif self.caught_up is not None and stream.flush_lsn < self.caught_up.goal:
-                # Ask for a keepalive: its WAL end tells us when nothing more is coming.
-                stream.send_status(reply_requested=True)
         raise _StopRequested()
 
     def _confirm_flushed(self, stream: ReplicationStream, applier: TargetApplier) -> None:

@@ -26,7 +26,7 @@ typedef int (*setnonblocking_f)(void *conn, int arg);
 static getcopydata_f PQgetCopyData;
 static putcopydata_f PQputCopyData;
 static freemem_f PQfreemem;
-static conn_f PQsocket, PQconsumeInput, PQisBusy, PQisnonblocking;
+static conn_f PQsocket, PQconsumeInput, PQisBusy, PQisnonblocking, PQflush;
 static setnonblocking_f PQsetnonblocking;
 
 /* Rows are gathered into blocks of this size: one CopyData message (and far fewer libpq calls
@@ -39,11 +39,12 @@ enum { MORE = 0, SOURCE_END = 1, SOURCE_LOST = 2, TARGET_FAILED = 3 };
 static PyObject *
 bind(PyObject *self, PyObject *args)
 {
-    unsigned long long f[8];
+    unsigned long long f[9];
     int i;
-    if (!PyArg_ParseTuple(args, "KKKKKKKK", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7]))
+    if (!PyArg_ParseTuple(args, "KKKKKKKKK", &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7],
+                          &f[8]))
         return NULL;
-    for (i = 0; i < 8; i++) {
+    for (i = 0; i < 9; i++) {
         if (f[i] == 0) {
             PyErr_SetString(PyExc_ValueError, "a libpq function address is 0");
             return NULL;
@@ -57,7 +58,22 @@ bind(PyObject *self, PyObject *args)
     PQisBusy = (conn_f)(uintptr_t)f[5];
     PQisnonblocking = (conn_f)(uintptr_t)f[6];
     PQsetnonblocking = (setnonblocking_f)(uintptr_t)f[7];
+    PQflush = (conn_f)(uintptr_t)f[8];
     Py_RETURN_NONE;
+}
+
+/* Send what libpq still holds for conn (psycopg may leave some in non-blocking mode), waiting
+ * for the socket. Returns 0 on success, -1 when the connection failed. */
+static int
+flush_all(void *conn)
+{
+    int rc;
+    while ((rc = PQflush(conn)) == 1) {
+        struct pollfd pfd = {PQsocket(conn), POLLIN | POLLOUT, 0};
+        if (pfd.fd < 0 || (poll(&pfd, 1, -1) < 0 && errno != EINTR))
+            return -1;
+    }
+    return rc;
 }
 
 /* Read (without the GIL) until a result is ready on conn, so PQgetResult will not block.
@@ -130,7 +146,7 @@ relay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
      * without bound when the target is slower than the source. Blocking mode makes libpq wait
      * for the socket instead (reading input meanwhile, so the two sides cannot deadlock). */
     was_nonblocking = PQisnonblocking(target);
-    if (was_nonblocking && PQsetnonblocking(target, 0) != 0)
+    if (was_nonblocking && (flush_all(target) != 0 || PQsetnonblocking(target, 0) != 0))
         state = TARGET_FAILED;
     while (state == MORE && moved < limit) {
         char *row = NULL;
@@ -187,7 +203,7 @@ wait_result(PyObject *self, PyObject *arg)
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS,
      "bind(PQgetCopyData, PQputCopyData, PQfreemem, PQsocket, PQconsumeInput, PQisBusy, "
-     "PQisnonblocking, PQsetnonblocking)\n--\n\nThe addresses of psycopg's libpq functions. "
+     "PQisnonblocking, PQsetnonblocking, PQflush)\n--\n\nThe addresses of psycopg's libpq functions. "
      "Call once before relay()."},
     {"relay", (PyCFunction)(void (*)(void))relay, METH_FASTCALL,
      "relay(source, target, limit)\n--\n\nMove COPY data from the source PGconn (COPY OUT) to "

@@ -37,7 +37,7 @@ _MORE, _SOURCE_END, _SOURCE_LOST, _TARGET_FAILED = range(4)
 
 #: The libpq functions the C relay calls, in bind()'s order.
 _FUNCTIONS = ("PQgetCopyData", "PQputCopyData", "PQfreemem", "PQsocket", "PQconsumeInput",
-              "PQisBusy", "PQisnonblocking", "PQsetnonblocking")
+              "PQisBusy", "PQisnonblocking", "PQsetnonblocking", "PQflush")
 
 
 def relay(out: psycopg.Copy, into: psycopg.Copy, on_bytes: Callable[[int], None]) -> int:

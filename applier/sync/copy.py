@@ -19,6 +19,7 @@ import psycopg
 
 from ..apply.relations import quote_ident
 from .catalog import PublishedTable
+from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
 from .relay import relay
 from .snapshot import ExportedSnapshot, source_session
@@ -151,11 +152,16 @@ class _Copier:
         key = task.plan.table.key
         pid = target.info.backend_pid
         self.progress.range_started(key, pid)
+        whole = task.first_block is None and task.end_block is None
         try:
             with target.transaction():
+                # Ranges of one table commit apart, so only a table copied whole in this one
+                # transaction can have its indexes built after its data.
+                rebuilt = drop_indexes(target, task.plan.table) if whole else []
                 with source.cursor() as reader, reader.copy(source_copy_sql(task)) as out, \
                         target.cursor().copy(target_copy_sql(task.plan)) as into:
                     rows = relay(out, into, lambda nbytes: self.progress.add_bytes(key, nbytes))
+                rebuild_indexes(target, rebuilt)
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
                              transient=isinstance(exc, psycopg.OperationalError)) from exc

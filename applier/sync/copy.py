@@ -5,7 +5,8 @@ Owns cutting tables into work items (a whole table, or block ranges of a large p
 session), and marking a table done once all its ranges are committed. Every range commits on its
 own, so a table is only ever done or redone whole: a crash between ranges leaves it 'copying', and
 the next sync truncates and recopies it from a new snapshot (ranges from two snapshots must never
-meet in one table). Must never choose the snapshot or check target tables.
+meet in one table). A table copied whole gets its indexes built after its data, in the same
+transaction (``indexes``). Must never choose the snapshot or check target tables.
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ class _Copier:
                         target.cursor().copy(target_copy_sql(task.plan)) as into:
                     rows = relay(out, into, lambda nbytes: self.progress.add_bytes(key, nbytes))
                 rebuild_indexes(target, rebuilt)
+            if rebuilt:
+                log.debug("built %d index(es) of %s after its data", len(rebuilt), task.plan.table.sql_name)
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
                              transient=isinstance(exc, psycopg.OperationalError)) from exc

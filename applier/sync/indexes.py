@@ -61,23 +61,25 @@ def drop_indexes(target: psycopg.Connection, table: PublishedTable) -> list[Rebu
         return []
     rebuilt = []
     for name, constraint, indexdef, constraintdef, replident, clustered, _ in indexes:
-        index = f"{quote_ident(table.schema)}.{quote_ident(name)}"
         if constraint is not None:
             drop = f"ALTER TABLE {table.sql_name} DROP CONSTRAINT {quote_ident(constraint)}"
             create = [f"ALTER TABLE {table.sql_name} ADD CONSTRAINT {quote_ident(constraint)} "
                       f"{constraintdef}"]
+            built_as = constraint  # ADD CONSTRAINT names the new index after the constraint
         else:
-            drop = f"DROP INDEX {index}"
+            drop = f"DROP INDEX {quote_ident(table.schema)}.{quote_ident(name)}"
             create = [indexdef]  # schema-qualified: the session's search_path is empty
+            built_as = name
         if replident and identity_by_index:
-            create.append(f"ALTER TABLE {table.sql_name} REPLICA IDENTITY USING INDEX {quote_ident(name)}")
+            create.append(f"ALTER TABLE {table.sql_name} REPLICA IDENTITY USING INDEX "
+                          f"{quote_ident(built_as)}")
         if clustered:
-            create.append(f"ALTER TABLE {table.sql_name} CLUSTER ON {quote_ident(name)}")
+            create.append(f"ALTER TABLE {table.sql_name} CLUSTER ON {quote_ident(built_as)}")
         rebuilt.append(RebuiltIndex(drop, create))
     try:
         with target.transaction():  # a savepoint: an unforeseen dependency leaves the indexes be
-            for index in rebuilt:
-                target.execute(index.drop)
+            for dropped in rebuilt:
+                target.execute(dropped.drop)
     except psycopg.Error as exc:
         log.info("keeping the indexes of %s during the copy: %s", table.sql_name, str(exc).strip())
         return []

@@ -10,7 +10,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY applier ./applier
 COPY migrations ./migrations
-# The wheel carries the compiled decoder accelerator and the migrations (as applier._migrations);
+# The wheel carries the compiled C accelerators and the migrations (as applier._migrations);
 # its dependencies are built here too, so the final stage installs offline and needs no compiler.
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 

@@ -1,7 +1,7 @@
-"""Build hook: the optional C accelerator and the package layout; other metadata is in pyproject.toml.
+"""Build hook: the optional C accelerators and the package layout; other metadata is in pyproject.toml.
 
-``optional=True`` lets an install without a C compiler succeed: the decoder then stays on its
-pure-Python path. The top-level ``migrations/`` folder ships inside the package as
+``optional=True`` lets an install without a C compiler succeed: the decoder and the initial
+copy's relay then stay on their pure-Python paths. The top-level ``migrations/`` folder ships inside the package as
 ``applier._migrations`` so an installed applier (a wheel, the Docker image) can upgrade its
 bookkeeping schema; a source checkout uses the folder in place.
 """
@@ -19,6 +19,12 @@ setup(
             ["applier/protocol/_speedups.c"],
             optional=True,
             extra_compile_args=["-O2"],
-        )
+        ),
+        Extension(
+            "applier.sync._relay",
+            ["applier/sync/_relay.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
     ]
 )

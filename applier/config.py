@@ -187,8 +187,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("jobs", "Copy sessions run in parallel by applier sync: several tables at once, and "
            "the block ranges of large tables.", kind="int", default=4, commands=("sync",)),
     Option("range_size", "applier sync cuts plain tables larger than this (on-disk size) into "
-           "block ranges of this size, copied in parallel from the same snapshot. Units kB, MB, GB.",
-           kind="size", default=64 * 1024**2, commands=("sync",)),
+           "block ranges of this size, copied in parallel from the same snapshot. A table copied "
+           "whole has its indexes built after its data instead. Units kB, MB, GB.",
+           kind="size", default=1024**3, commands=("sync",)),
     Option("create_tables", "applier sync creates missing target tables from the source "
            "definitions (published columns, types, NOT NULL, portable defaults, primary key and "
            "replica identity index), building other indexes after the data is in.", kind="bool",

@@ -392,21 +392,20 @@ class Worker:
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
                 self._confirm_flushed(stream, applier)
                 last_flush_check = time.monotonic()
+            if not applier.holds_uncommitted and not self._unflushed:
+                # Nothing open, buffered or unflushed: everything the server sent is applied and
+                # durable, so the position it last reported having sent is safe to confirm too.
+                if stream.keepalive_wal_end > stream.flush_lsn:
+                    stream.confirm(stream.keepalive_wal_end)
+                elif self.caught_up is not None and stream.flush_lsn < self.caught_up.goal:
+                    # Ask for a keepalive: its WAL end tells us when nothing more is coming.
+                    stream.send_status(reply_requested=True)
             # Caught up needs no pause in the stream (a busy source may never pause): only that
             # the confirmed position passed the goal and the slot has it.
             if (self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
                     and self._slot_confirmed(stream, control)):
                 log.info("caught up: the slot confirmed %s", stream.flush_lsn)
                 return
-            if applier.holds_uncommitted or self._unflushed:
-                continue
-            # Nothing open, buffered or unflushed: everything the server sent is applied and
-            # durable, so the position it last reported having sent is safe to confirm too.
-            if stream.keepalive_wal_end > stream.flush_lsn:
-                stream.confirm(stream.keepalive_wal_end)
-            elif self.caught_up is not None and stream.flush_lsn < self.caught_up.goal:
-                # Ask for a keepalive: its WAL end tells us when nothing more is coming.
-                stream.send_status(reply_requested=True)
         raise _StopRequested()
 
     def _confirm_flushed(self, stream: ReplicationStream, applier: TargetApplier) -> None:

@@ -10,7 +10,8 @@ in the same run and on fresh target databases with the same empty tables:
   ``pg_subscription_rel`` (default ``max_sync_workers_per_subscription`` = 2).
 
 Workloads: one table of 2,000,000 rows, and 20 tables of 100,000 rows (pgbench_accounts shape:
-int key, two ints, 84-character filler). Both contenders' row counts are checked.
+int key, two ints, 84-character filler). Both contenders' row counts are checked. With
+``--repeat N`` the contenders take turns going first and each one's best run counts.
 
     .venv/bin/python bench/sync.py [--pg-version 18] [--jobs 4] [--scale 1.0] [--repeat 1]
 """
@@ -108,7 +109,8 @@ def main() -> None:
     parser.add_argument("--pg-version", type=int, default=18)
     parser.add_argument("--jobs", type=int, default=4, help="applier sync --jobs")
     parser.add_argument("--scale", type=float, default=1.0, help="row-count multiplier (quick runs)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per contender; the best counts")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs per contender, alternating which goes first; the best counts")
     args = parser.parse_args()
     workloads = [Workload("one_table", ("big",), int(2_000_000 * args.scale)),
                  Workload("many_tables", tuple(f"small_{i:02}" for i in range(20)),
@@ -122,10 +124,20 @@ def main() -> None:
         load(source, workloads)
         print(f"{'workload':<34} {'applier sync':>13} {'subscription':>13} {'speed-up':>9}")
         for workload in workloads:
-            ours = min(run_applier(source, target, workload, args.jobs) for _ in range(args.repeat))
-            native = min(run_native(source, target, workload) for _ in range(args.repeat))
+            runs: dict[str, list[float]] = {"ours": [], "native": []}
+            for round_ in range(args.repeat):
+                # Alternate who goes first: neither always meets the warmer caches or the
+                # quieter moment of a shared machine.
+                order = ["ours", "native"] if round_ % 2 == 0 else ["native", "ours"]
+                for contender in order:
+                    runs[contender].append(run_applier(source, target, workload, args.jobs)
+                                           if contender == "ours" else run_native(source, target, workload))
+            ours, native = min(runs["ours"]), min(runs["native"])
             label = f"{workload.name} ({len(workload.tables)} x {workload.rows:,} rows)"
             print(f"{label:<34} {ours:>12.2f}s {native:>12.2f}s {native / ours:>8.2f}x", flush=True)
+            if args.repeat > 1:
+                print(f"{'':<4}every run: applier sync {', '.join(f'{t:.2f}' for t in runs['ours'])}; "
+                      f"subscription {', '.join(f'{t:.2f}' for t in runs['native'])}", flush=True)
     finally:
         source.cleanup()
         target.cleanup()

@@ -152,7 +152,7 @@ def collect_status(settings: Settings) -> StatusReport:
     with _reading("target", settings.target) as target:
         tables = bookkeeping_tables(target)
         progress = read_progress(target, slot_name, tables)
-        prepared = _prepared_transactions(target)
+        prepared = _prepared_transactions(target, slot_name, tables)
         table_sync = _rows_for_slot(target, "table_sync", slot_name) if "table_sync" in tables else None
         conflicts = _count_by_kind(target, "conflicts", slot_name) if "conflicts" in tables else None
         skipped = (_count_by_kind(target, "skipped_transactions", slot_name)
@@ -194,12 +194,22 @@ def _reading(side: str, dsn: str) -> Iterator[Connection]:
         raise StatusError(f"cannot read the {side} ({mask_dsn(dsn)}): {mask_dsn(reason)}") from exc
 
 
-def _prepared_transactions(conn: Connection) -> list[dict[str, Any]]:
+def _prepared_transactions(conn: Connection, slot: str, tables: set[str]) -> list[dict[str, Any]]:
+    """Source transactions pending between PREPARE and COMMIT/ROLLBACK PREPARED: prepared on the
+    target (prepare mode) or held in the bookkeeping schema (defer mode)."""
     rows = conn.execute(text(
         "SELECT gid, prepared, owner FROM pg_catalog.pg_prepared_xacts "
         "WHERE database = pg_catalog.current_database() AND starts_with(gid, :prefix) "
         "ORDER BY prepared"), {"prefix": PREPARED_GID_PREFIX})
-    return [{"gid": r[0], "prepared": r[1], "owner": r[2]} for r in rows]
+    pending = [{"gid": r[0], "prepared": r[1], "owner": r[2], "mode": "prepare"} for r in rows]
+    if "prepared_transactions" in tables:
+        deferred = conn.execute(text(
+            "SELECT source_gid, prepare_time, prepare_lsn::text, changes "
+            "FROM applier.prepared_transactions WHERE slot_name = :slot AND mode = 'defer' "
+            "ORDER BY prepare_lsn"), {"slot": slot})
+        pending += [{"gid": r[0], "prepared": r[1], "prepare_lsn": r[2], "changes": r[3],
+                     "mode": "defer"} for r in deferred]
+    return pending
 
 
 def _columns(conn: Connection, table: str) -> list[str]:
@@ -303,7 +313,7 @@ def render_table(report: StatusReport) -> str:
         lag += f" ({'EXCEEDS' if report.lag_exceeded else 'within'} --max-lag {report.max_lag})"
     rows.append(("apply lag", lag))
     rows.append(("pending prepared transactions", str(len(report.prepared_transactions))
-                 + "".join(f"\n  {p['gid']} prepared {_jsonable(p['prepared'])}"
+                 + "".join(f"\n  {p['gid']} ({p['mode']} mode) prepared {_jsonable(p['prepared'])}"
                            for p in report.prepared_transactions)))
     for label, counts in (("conflicts", report.conflicts),
                           ("skipped transactions", report.skipped_transactions)):

@@ -5,7 +5,8 @@ Owns cutting tables into work items (a whole table, or block ranges of a large p
 session), and marking a table done once all its ranges are committed. Every range commits on its
 own, so a table is only ever done or redone whole: a crash between ranges leaves it 'copying', and
 the next sync truncates and recopies it from a new snapshot (ranges from two snapshots must never
-meet in one table). Must never choose the snapshot or check target tables.
+meet in one table). A table copied whole gets its indexes built after its data, in the same
+transaction (``indexes``). Must never choose the snapshot or check target tables.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import psycopg
 
 from ..apply.relations import quote_ident
 from .catalog import PublishedTable
+from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
+from .relay import relay
 from .snapshot import ExportedSnapshot, source_session
 from .state import mark_done, record_copy_transaction
 from .target import TargetPlan, build_secondary_indexes, target_session
@@ -150,15 +153,19 @@ class _Copier:
         key = task.plan.table.key
         pid = target.info.backend_pid
         self.progress.range_started(key, pid)
+        whole = task.first_block is None and task.end_block is None
         try:
             with target.transaction():
                 record_copy_transaction(target, self.slot)
+                # Ranges of one table commit apart, so only a table copied whole in this one
+                # transaction can have its indexes built after its data.
+                rebuilt = drop_indexes(target, task.plan.table) if whole else []
                 with source.cursor() as reader, reader.copy(source_copy_sql(task)) as out, \
                         target.cursor().copy(target_copy_sql(task.plan)) as into:
-                    for chunk in out:
-                        into.write(chunk)
-                        self.progress.add_bytes(key, len(chunk))
-                    rows = reader.rowcount  # COPY TO's command tag; closing the cursor resets it
+                    rows = relay(out, into, lambda nbytes: self.progress.add_bytes(key, nbytes))
+                rebuild_indexes(target, rebuilt)
+            if rebuilt:
+                log.debug("built %d index(es) of %s after its data", len(rebuilt), task.plan.table.sql_name)
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
                              transient=isinstance(exc, psycopg.OperationalError)) from exc

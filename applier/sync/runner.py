@@ -29,6 +29,7 @@ from ..worker import run
 from .catalog import CatalogError, PublishedTable, published_tables
 from .copy import CopyFailed, CopyStopped, copy_tables, plan_tasks
 from .progress import CopyProgress
+from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
 from .state import read_states, start_copies
 from .target import TargetCheckError, is_empty, prepare_targets, target_session
@@ -128,8 +129,9 @@ class Syncer:
             try:
                 tasks = plan_tasks(plans, settings.range_size, block_size)
                 log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
-                         "(consistent point %s)", len(todo), len(tasks), settings.jobs, snapshot.name,
-                         snapshot.consistent_point)
+                         "(consistent point %s), relaying in %s", len(todo), len(tasks), settings.jobs,
+                         snapshot.name, snapshot.consistent_point,
+                         "C" if accelerated(control) else "Python")
                 with CopyProgress(todo, settings.target, interactive=sys.stderr.isatty(),
                                   interval=settings.progress_interval) as progress:
                     copy_tables(settings.source, settings.target, self.slot, snapshot, tasks,

@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 
 import psycopg
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from ..apply.relations import MissingTargetTable, TargetTable, quote_ident, reflect_table
 from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
@@ -51,12 +51,19 @@ def prepare_targets(source: psycopg.Connection, target: psycopg.Connection, engi
 
     All problems are collected and reported together, before any table is created or copied.
     """
+    # One catalog connection for every table (the engine opens a new one on each connect()); at
+    # read committed it also sees the tables ``_create`` commits on ``target``.
+    with engine.connect() as catalog:
+        return _plan(source, target, catalog, tables, create_tables=create_tables)
+
+
+def _plan(source: psycopg.Connection, target: psycopg.Connection, catalog: Connection,
+          tables: list[PublishedTable], *, create_tables: bool) -> list[TargetPlan]:
     problems: list[str] = []
     found: dict[tuple[str, str], TargetTable | None] = {}
     for table in tables:
         try:
-            with engine.connect() as conn:
-                found[table.key] = reflect_table(conn, table.schema, table.name)
+            found[table.key] = reflect_table(catalog, table.schema, table.name)
         except MissingTargetTable:
             found[table.key] = None
             if not create_tables:
@@ -72,8 +79,7 @@ def prepare_targets(source: psycopg.Connection, target: psycopg.Connection, engi
         if existing is None:
             assert definition is not None
             _create(target, table, definition)
-            with engine.connect() as conn:
-                existing = reflect_table(conn, table.schema, table.name)
+            existing = reflect_table(catalog, table.schema, table.name)
         problems.extend(_column_problems(table, existing))
         plans.append(TargetPlan(table, _binary_safe(table, columns, existing), definition))
     if problems:

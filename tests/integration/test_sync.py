@@ -3,6 +3,7 @@ overlap (PostgreSQL 15 and 18)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -22,10 +23,11 @@ def sync_command(source_db, target_db, *extra: str, slot: str = "s", publication
 
 
 def run_sync(source_db, target_db, *extra: str, expect_rc: int | None = 0, publication: str = "pub",
-             timeout: float = 300) -> subprocess.CompletedProcess:
+             timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(sync_command(source_db, target_db, "--exit-when-caught-up", *extra,
                                        publication=publication),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
@@ -67,11 +69,17 @@ def test_concurrent_pgbench_workload_during_copy(pg_pair, source_db, target_db) 
 SMALL_TABLES = 25
 
 
-def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db) -> None:
+@pytest.mark.parametrize("relay", ["C", "Python"])
+def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db, relay: str) -> None:
+    if relay == "C":
+        pytest.importorskip("applier.sync._relay", reason="the C relay is not built")
     schema = ["CREATE TYPE mood AS ENUM ('sad', 'happy')",
               "CREATE TABLE big (id bigint PRIMARY KEY, payload text, n numeric)",
               "CREATE TABLE typed (id int PRIMARY KEY, m mood, arr int[], j jsonb, ts timestamptz, "
-              "iv interval, f float8, b bytea)"]
+              "iv interval, f float8, b bytea)",
+              # No rows: a binary COPY still sends its header and trailer, a text COPY nothing.
+              "CREATE TABLE empty_binary (id int PRIMARY KEY)",
+              "CREATE TABLE empty_text (id int PRIMARY KEY, m mood)"]
     schema += [f'CREATE TABLE "Small {i}" (id int PRIMARY KEY, v text)' for i in range(SMALL_TABLES)]
     for statement in schema:
         source_db.execute(statement)
@@ -82,21 +90,77 @@ def test_large_table_in_ranges_many_small_tables_and_types(source_db, target_db)
                       "'2024-02-29 12:34:56.789+05:30', '1 year 2 mons 04:05:06.789', "
                       "1.0000000000000002, '\\x00ff'), (2, NULL, NULL, NULL, 'infinity', NULL, "
                       "'NaN', NULL)")
+    # A row larger than a relay block (the C relay's 256 kB, the Python relay's 64 kB).
+    source_db.execute("INSERT INTO typed (id, b) VALUES (3, convert_to(repeat('0123456789', 40000), 'UTF8'))")
     for i in range(SMALL_TABLES):
         source_db.execute(f'INSERT INTO "Small {i}" SELECT g, %s FROM generate_series(1, {i + 1}) g',
                           (f"t{i}",))
     source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
-    proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "128kB")
+    proc = run_sync(source_db, target_db, "--jobs", "3", "--range-size", "128kB",
+                    env={"APPLIER_PURE_PYTHON": "1" if relay == "Python" else "0"})
+    assert f"relaying in {relay}" in proc.stderr
     pieces = int(proc.stderr.split(" piece(s)")[0].rsplit(" ", 1)[1])
-    assert pieces > SMALL_TABLES + 2 + 5, "big must have been cut into several block ranges"
+    assert pieces > SMALL_TABLES + 4 + 5, "big must have been cut into several block ranges"
     assert "copied \"public\".\"typed\"" in proc.stderr and "(text COPY)" in proc.stderr
     assert "copied \"public\".\"big\"" in proc.stderr
-    tables = ["big", "typed"] + [f'"Small {i}"' for i in range(SMALL_TABLES)]
+    tables = ["big", "typed", "empty_binary", "empty_text"] + [f'"Small {i}"' for i in range(SMALL_TABLES)]
     assert_same_rows(source_db, target_db, *tables)
     # The stream continues exactly where the copy ended.
     source_db.execute("UPDATE big SET payload = 'changed' WHERE id % 1000 = 0")
     source_db.execute("DELETE FROM big WHERE id > 29990")
     source_db.execute('INSERT INTO "Small 3" VALUES (100, \'new\')')
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, *tables)
+
+
+def index_catalog(db, tables: tuple[str, ...]) -> tuple[list[tuple], list[tuple], list[tuple]]:
+    """(indexes with their flags and OIDs, constraints, columns' NOT NULL and replica identity)."""
+    names = list(tables)
+    indexes = db.query("SELECT c.relname, pg_get_indexdef(x.indexrelid), x.indisreplident, "
+                       "x.indisclustered, x.indexrelid FROM pg_index x JOIN pg_class c ON c.oid = x.indrelid "
+                       "WHERE c.relname = ANY(%s) ORDER BY 1, 2", (names,))
+    constraints = db.query("SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM "
+                           "pg_constraint WHERE conrelid = ANY(%s::regclass[]) ORDER BY 1, 2", (names,))
+    columns = db.query("SELECT c.relname, c.relreplident, a.attname, a.attnotnull FROM pg_attribute a "
+                       "JOIN pg_class c ON c.oid = a.attrelid WHERE c.relname = ANY(%s) AND a.attnum > 0 "
+                       "ORDER BY 1, 3", (names,))
+    return indexes, constraints, columns
+
+
+def test_indexes_built_after_the_data_come_back_as_they_were(source_db, target_db) -> None:
+    """A table copied whole has its indexes dropped and built again around the COPY, in its
+    transaction; they return exactly as defined. A table a foreign key references keeps them."""
+    ddl = """
+        CREATE TABLE accounts (id int PRIMARY KEY, code text NOT NULL, email text, v int,
+                               CONSTRAINT accounts_v UNIQUE (v) DEFERRABLE INITIALLY DEFERRED);
+        CREATE UNIQUE INDEX accounts_code ON accounts (code);
+        ALTER TABLE accounts REPLICA IDENTITY USING INDEX accounts_code;
+        ALTER TABLE accounts CLUSTER ON accounts_pkey;
+        CREATE UNIQUE INDEX accounts_email ON accounts (lower(email)) WHERE email IS NOT NULL;
+        CREATE INDEX "Accounts by v" ON accounts (v DESC) WITH (fillfactor = 70);
+        CREATE TABLE referenced (id int PRIMARY KEY, v text);
+        CREATE TABLE referencing (id int PRIMARY KEY, ref int REFERENCES referenced);
+    """
+    source_db.execute(ddl)
+    target_db.execute(ddl)
+    source_db.execute("INSERT INTO accounts SELECT g, 'c' || g, CASE WHEN g % 3 = 0 THEN 'e' || g END, "
+                      "g FROM generate_series(1, 5000) g")
+    source_db.execute("INSERT INTO referenced SELECT g, 'r' FROM generate_series(1, 100) g")
+    source_db.execute("INSERT INTO referencing SELECT g, g FROM generate_series(1, 100) g")
+    source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
+    tables = ("accounts", "referenced", "referencing")
+    indexes, constraints, columns = index_catalog(target_db, tables)
+    run_sync(source_db, target_db)
+    indexes_after, constraints_after, columns_after = index_catalog(target_db, tables)
+    assert [row[:4] for row in indexes_after] == [row[:4] for row in indexes]
+    assert (constraints_after, columns_after) == (constraints, columns)
+    oids = {row[1]: row[4] for row in indexes}
+    rebuilt = {row[0] for row in indexes_after if oids[row[1]] != row[4]}
+    assert rebuilt == {"accounts", "referencing"}, "referenced must have kept its indexes"
+    assert_same_rows(source_db, target_db, *tables)
+    # The stream goes on through the rebuilt replica identity index.
+    source_db.execute("UPDATE accounts SET email = 'changed' || id WHERE id <= 10")
+    source_db.execute("DELETE FROM accounts WHERE id > 4990")
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, *tables)
 

@@ -129,32 +129,31 @@ OPTIONS: tuple[Option, ...] = (
            "rolled back when the source does. defer: held durably in the applier schema and "
            "applied only at COMMIT PREPARED. auto: prepare when the target has "
            "max_prepared_transactions > 0, else defer.", kind="choice",
-           choices=("auto", "prepare", "defer"), default="auto", commands=("run",)),
+           choices=("auto", "prepare", "defer"), default="auto"),
     Option("skip_origin", "Drop source transactions that came from this replication origin (the "
            "name in their Origin message); repeatable. With two workers replicating in opposite "
            "directions, give each the other's --replication-origin to stop loops on PostgreSQL "
            "15 (16+ can use --origin none instead).", kind="list", repeatable=True,
-           metavar="NAME", commands=("run",)),
+           metavar="NAME"),
     Option("replication_origin", "Replication origin that tags the worker's writes on the target, "
            "so a replication out of the target with origin=none (or --skip-origin) ignores them. "
            "Default: applier_<slot>_<target database>; 'none' leaves the writes untagged. Needs "
            "superuser or EXECUTE on pg_replication_origin_create/_session_setup; without them "
-           "the worker logs it once and runs untagged.", commands=("run",)),
+           "the worker logs it once and runs untagged."),
     Option("message_sink", "Where --messages delivers pg_logical_emit_message payloads: 'table' "
            "(applier.messages on the target; transactional ones in their own transaction) or "
-           "'log'.", kind="choice", choices=("table", "log"), default="table",
-           commands=("run",)),
+           "'log'.", kind="choice", choices=("table", "log"), default="table"),
     Option("message_prefix", "Deliver only logical messages whose prefix matches this pattern "
            "(shell-style: * and ? wildcards); repeatable. Default: every message.", kind="list",
-           repeatable=True, metavar="PATTERN", commands=("run",)),
+           repeatable=True, metavar="PATTERN"),
     Option("conflict_policy", "What to do on an apply conflict: apply (the source wins: upsert, "
            "or skip a change whose row is missing), error (stop the worker), keep-local (the "
            "target row wins). POLICY sets the default, SCHEMA.TABLE=POLICY one table; "
            "repeatable. Default: apply.", kind="list", repeatable=True,
-           metavar="[SCHEMA.TABLE=]POLICY", commands=("run",)),
+           metavar="[SCHEMA.TABLE=]POLICY"),
     Option("skip_lsn", "Skip the one source transaction that finishes (commits or prepares) at "
            "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions.",
-           kind="lsn", commands=("run",)),
+           kind="lsn"),
     Option("lsn", "Finish LSN (commit or prepare LSN) of the source transaction to skip, as the "
            "worker's error message names it.", kind="lsn", commands=("skip",)),
     Option("sql", "Peek over the SQL interface (pg_logical_slot_peek_binary_changes) instead of "

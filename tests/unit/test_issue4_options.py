@@ -90,3 +90,15 @@ def test_message_prefix_filter() -> None:
     assert [sink.wants(msg(p)) for p in ("app.audit", "app", "ops", "opsx")] == [
         True, False, True, False]
     assert MessageSink(None, "s", "log").wants(msg("anything"))  # type: ignore[arg-type]
+
+
+def test_sync_takes_every_apply_option_of_run() -> None:
+    """applier sync continues as run, so the apply options of run are its options too."""
+    args = build_parser().parse_args([
+        "sync", "--source", "s", "--target", "t", "--slot", "x", "--publication", "p",
+        "--two-phase-mode", "defer", "--skip-origin", "a", "--replication-origin", "none",
+        "--message-sink", "log", "--message-prefix", "app*", "--conflict-policy", "error",
+        "--skip-lsn", "0/10"])
+    assert (args.command, args.two_phase_mode, args.message_sink, args.skip_lsn) == (
+        "sync", "defer", "log", "0/10")
+    assert (args.skip_origin, args.conflict_policy) == (["a"], ["error"])

@@ -31,6 +31,10 @@ _SLOT_RELEASE_SECONDS = 15
 _XLOGDATA_HEADER = struct.Struct(">QQQ")
 _KEEPALIVE = struct.Struct(">QQB")
 _STATUS = struct.Struct(">cQQQQB")
+#: A confirmed position that moved is reported after this many seconds at most (the full status
+#: interval applies only when nothing moved): the slot releases WAL, and its confirmed position
+#: (what operators watch) follows the apply closely, as with PostgreSQL's own subscriber.
+PROGRESS_REPORT_INTERVAL = 1.0
 
 #: SQLSTATEs after which retrying cannot help: the operator must act.
 PERMANENT_SQLSTATES = {
@@ -110,6 +114,7 @@ class ReplicationStream:
         self.flush_lsn = LSN(0)        # durable on the target: the only position we ever confirm
         self.keepalive_wal_end = LSN(0)
         self._last_status = 0.0
+        self._reported_flush_lsn = LSN(0)
         self.bytes_received = 0
 
     # -- connection ---------------------------------------------------------------------------
@@ -244,7 +249,9 @@ class ReplicationStream:
         """A status update when ``status_interval`` has passed since the last one: also called
         while a long transaction is applied without reading, so the source's
         ``wal_sender_timeout`` never mistakes a busy worker for a dead one."""
-        if time.monotonic() - self._last_status >= self.status_interval:
+        elapsed = time.monotonic() - self._last_status
+        if elapsed >= self.status_interval or (self.flush_lsn > self._reported_flush_lsn
+                                               and elapsed >= PROGRESS_REPORT_INTERVAL):
             self.send_status()
 
     def send_status(self, reply_requested: bool = False) -> None:
@@ -259,6 +266,7 @@ class ReplicationStream:
         while pgconn.flush() == 1:
             select.select([], [pgconn.socket], [], 1.0)
         self._last_status = time.monotonic()
+        self._reported_flush_lsn = self.flush_lsn
 
 
 def _quote_ident(name: str) -> str:

@@ -50,6 +50,29 @@ def test_writes_to_unpublished_tables_do_not_hold_the_slot_back(source_db, targe
         assert stop_worker(worker) == 0
 
 
+def test_an_applied_position_reaches_the_slot_before_the_status_interval(source_db, target_db,
+                                                                         tmp_path: Path) -> None:
+    """A confirmed position that moved is reported promptly, not only every --status-interval:
+    the slot's confirmed_flush_lsn (what frees WAL, what operators watch) follows the apply."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    target_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    create_slot(source_db)
+    worker = start_worker(source_db, target_db, "--status-interval", "10", log_path=tmp_path / "w.log")
+    try:
+        for round_ in range(3):
+            source_db.execute(f"INSERT INTO t VALUES ({round_})")
+            goal = source_db.query("SELECT pg_current_wal_lsn()::text")[0][0]
+            wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(round_ + 1,)],
+                     timeout=30, what="the row on the target")
+            wait_for(lambda: source_db.query(
+                "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+                "WHERE slot_name = 's'", (goal,)) == [(True,)],
+                timeout=7, what="the slot to confirm the applied position within the 10 s interval")
+    finally:
+        assert stop_worker(worker) == 0
+
+
 def test_authentication_failure_is_permanent_and_named(source_db, target_db) -> None:
     source_db.execute("CREATE PUBLICATION pub FOR ALL TABLES")
     create_slot(source_db)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import psycopg
 
 from ..apply.relations import quote_ident
-from .catalog import PublishedTable
 from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
 from .relay import relay

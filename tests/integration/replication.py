@@ -20,6 +20,25 @@ def create_slot(source_db, slot: str = "s", two_phase: bool = False) -> None:
     source_db.execute(f"SELECT pg_create_logical_replication_slot({args})", (slot,))
 
 
+def replicated_table(source_db, target_db, with_slot: bool = True) -> None:
+    """The simplest set-up: table ``t (id int PRIMARY KEY)`` on both sides, publication ``pub``
+    for it and (``with_slot``) slot ``s``."""
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE t (id int PRIMARY KEY)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    if with_slot:
+        create_slot(source_db)
+
+
+def prepare_on_source(source_db, gid: str, *statements: str) -> None:
+    """Run ``statements`` in one transaction and PREPARE it as ``gid`` on the source."""
+    with source_db.connect() as conn:
+        conn.execute("BEGIN")
+        for statement in statements:
+            conn.execute(statement)
+        conn.execute(f"PREPARE TRANSACTION '{gid}'")
+
+
 def worker_command(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub") -> list[str]:
     return [sys.executable, "-m", "applier", "run", "--source", source_db.dsn, "--target",
             target_db.dsn, "--slot", slot, "--publication", publication, "--log-level", "INFO",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from replication import create_slot, run_worker
+from replication import create_slot, prepare_on_source, run_worker
 
 pytestmark = pytest.mark.server
 
@@ -115,11 +115,8 @@ def test_messages_of_prepared_transactions_appear_at_commit_prepared(source_db, 
                                                                      mode: str) -> None:
     _setup(source_db, target_db, two_phase=True)
     for id_, gid, content in ((1, "keep", "kept"), (2, "drop", "dropped")):
-        with source_db.connect() as conn:
-            conn.execute("BEGIN")
-            conn.execute(f"INSERT INTO t VALUES ({id_}, '{gid}')")
-            conn.execute(_emit(True, "app", content))
-            conn.execute(f"PREPARE TRANSACTION '{gid}'")
+        prepare_on_source(source_db, gid, f"INSERT INTO t VALUES ({id_}, '{gid}')",
+                          _emit(True, "app", content))
     run_worker(source_db, target_db, "--messages", "--two-phase-mode", mode)
     assert target_db.query("SELECT count(*) FROM applier.messages") == [(0,)]
     source_db.execute("COMMIT PREPARED 'keep'")

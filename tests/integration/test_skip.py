@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from replication import REPO, create_slot, run_worker
+from replication import REPO, create_slot, prepare_on_source, run_worker
 
 pytestmark = pytest.mark.server
 
@@ -110,10 +110,7 @@ def test_skip_a_streamed_transaction(source_db, target_db) -> None:
 
 def test_skip_a_prepared_transaction_in_prepare_mode(source_db, target_db) -> None:
     _setup(source_db, target_db, two_phase=True)
-    with source_db.connect() as conn:
-        conn.execute("BEGIN")
-        conn.execute("INSERT INTO t VALUES (1, 'poison')")
-        conn.execute("PREPARE TRANSACTION 'bad'")
+    prepare_on_source(source_db, "bad", "INSERT INTO t VALUES (1, 'poison')")
     source_db.execute("INSERT INTO t VALUES (2, 'after')")
     failed = run_worker(source_db, target_db, "--two-phase-mode", "prepare", expect_rc=1)
     assert "GID 'bad', finish LSN" in failed.stderr
@@ -130,11 +127,8 @@ def test_skip_a_prepared_transaction_in_prepare_mode(source_db, target_db) -> No
 
 def test_skip_a_deferred_transaction_at_commit_prepared(source_db, target_db) -> None:
     _setup(source_db, target_db, two_phase=True)
-    with source_db.connect() as conn:
-        conn.execute("BEGIN")
-        conn.execute("INSERT INTO t VALUES (1, 'poison')")
-        conn.execute("INSERT INTO t VALUES (2, 'same transaction')")
-        conn.execute("PREPARE TRANSACTION 'bad'")
+    prepare_on_source(source_db, "bad", "INSERT INTO t VALUES (1, 'poison')",
+                      "INSERT INTO t VALUES (2, 'same transaction')")
     run_worker(source_db, target_db, "--two-phase-mode", "defer")  # deferred: nothing fails yet
     source_db.execute("COMMIT PREPARED 'bad'")
     source_db.execute("INSERT INTO t VALUES (3, 'after')")

@@ -16,7 +16,8 @@ import psycopg
 import pytest
 
 from replication import (
-    assert_same_rows, create_slot, kill_worker, run_worker, start_worker, stop_worker, wait_for,
+    assert_same_rows, create_slot, kill_worker, prepare_on_source, run_worker, start_worker,
+    stop_worker, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -35,15 +36,6 @@ def _setup(source_db, target_db) -> None:
     target_db.execute(SCHEMA)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE events, t")
     create_slot(source_db, two_phase=True)
-
-
-def _prepared(source_db, gid: str, *statements: str) -> None:
-    """Run ``statements`` in one transaction and PREPARE it as ``gid`` on the source."""
-    with source_db.connect() as conn:
-        conn.execute("BEGIN")
-        for statement in statements:
-            conn.execute(statement)
-        conn.execute(f"PREPARE TRANSACTION '{gid}'")
 
 
 def _events(n: int, count: int = 1, note: str = "x") -> str:
@@ -83,8 +75,8 @@ def _mode(mode: str) -> tuple[str, ...]:
 @pytest.mark.parametrize("mode", MODES)
 def test_prepare_then_commit_or_rollback(source_db, target_db, mode: str) -> None:
     _setup(source_db, target_db)
-    _prepared(source_db, "keep", _events(1, 2), "INSERT INTO t VALUES (1, 'one')")
-    _prepared(source_db, "drop", _events(2, 3))
+    prepare_on_source(source_db, "keep", _events(1, 2), "INSERT INTO t VALUES (1, 'one')")
+    prepare_on_source(source_db, "drop", _events(2, 3))
     source_db.execute(_events(3))
 
     first = run_worker(source_db, target_db, *_mode(mode))
@@ -116,8 +108,8 @@ def test_commit_and_rollback_prepared_behind_a_batch(source_db, target_db, mode:
     when COMMIT PREPARED or ROLLBACK PREPARED arrives, and both must run outside that block."""
     _setup(source_db, target_db)
     run_worker(source_db, target_db, *_mode(mode))
-    _prepared(source_db, "c", _events(1, 3))
-    _prepared(source_db, "r", _events(2, 3))
+    prepare_on_source(source_db, "c", _events(1, 3))
+    prepare_on_source(source_db, "r", _events(2, 3))
     for i in range(20):
         source_db.execute(_events(100 + i))
     source_db.execute("COMMIT PREPARED 'c'")
@@ -135,12 +127,12 @@ def test_commit_and_rollback_prepared_behind_a_batch(source_db, target_db, mode:
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_prepared_transactions_and_savepoints(source_db, target_db, mode: str) -> None:
     _setup(source_db, target_db)
-    _prepared(source_db, "empty", "INSERT INTO unpublished VALUES (1)")
-    _prepared(source_db, "nothing", "SELECT 1")
-    _prepared(source_db, "savepoints", _events(10), "SAVEPOINT a", _events(11), "ROLLBACK TO a",
+    prepare_on_source(source_db, "empty", "INSERT INTO unpublished VALUES (1)")
+    prepare_on_source(source_db, "nothing", "SELECT 1")
+    prepare_on_source(source_db, "savepoints", _events(10), "SAVEPOINT a", _events(11), "ROLLBACK TO a",
               _events(12), "SAVEPOINT b", _events(13), "RELEASE b", "SAVEPOINT c", _events(14),
               "SAVEPOINT d", _events(15), "ROLLBACK TO c", _events(16))
-    _prepared(source_db, "streamed", _big(20), "SAVEPOINT a", _big(21), "ROLLBACK TO a",
+    prepare_on_source(source_db, "streamed", _big(20), "SAVEPOINT a", _big(21), "ROLLBACK TO a",
               "SAVEPOINT b", _big(22), "RELEASE b", "SAVEPOINT c", _big(23), "ROLLBACK TO c")
     run_worker(source_db, target_db, *_mode(mode))
     assert _counts(target_db) == {}
@@ -161,7 +153,7 @@ def test_prepared_transaction_pending_while_later_ones_commit(source_db, target_
     proc = start_worker(source_db, target_db, *_mode(mode), log_path=log)
     try:
         wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(20,)], what="initial rows")
-        _prepared(source_db, "pending", "UPDATE t SET v = 'prepared' WHERE id = 1", _events(1),
+        prepare_on_source(source_db, "pending", "UPDATE t SET v = 'prepared' WHERE id = 1", _events(1),
                   _big(2))
         wait_for(lambda: _held(target_db, mode) == 1, what="the prepare to be held")
         shown = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
@@ -191,7 +183,7 @@ def test_prepared_transaction_pending_while_later_ones_commit(source_db, target_
 
 def test_default_mode_follows_max_prepared_transactions(source_db, target_db) -> None:
     _setup(source_db, target_db)
-    _prepared(source_db, "p", _events(1))
+    prepare_on_source(source_db, "p", _events(1))
     done = run_worker(source_db, target_db)  # the rig's target has max_prepared_transactions = 20
     assert "mode prepare (target max_prepared_transactions = 20)" in done.stderr
     assert _held(target_db, "prepare") == 1
@@ -205,7 +197,7 @@ def test_without_two_phase_prepared_transactions_arrive_at_commit(source_db, tar
     target_db.execute(SCHEMA)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE events")
     create_slot(source_db)  # no two_phase: the server decodes a prepared transaction at COMMIT PREPARED
-    _prepared(source_db, "p", _events(1))
+    prepare_on_source(source_db, "p", _events(1))
     run_worker(source_db, target_db)
     assert _counts(target_db) == {}
     source_db.execute("COMMIT PREPARED 'p'")
@@ -216,15 +208,15 @@ def test_without_two_phase_prepared_transactions_arrive_at_commit(source_db, tar
 # -- crashes ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
-def test_killed_between_prepare_and_commit_prepared(source_db, target_db, mode: str,
+def test_killed_between_prepare_and_commitprepare_on_source(source_db, target_db, mode: str,
                                                      tmp_path: Path) -> None:
     _setup(source_db, target_db)
     log = tmp_path / "worker.log"
     proc = start_worker(source_db, target_db, *_mode(mode), log_path=log)
     try:
-        _prepared(source_db, "small", _events(1, 3))
-        _prepared(source_db, "big", _big(2))
-        _prepared(source_db, "doomed", _events(3, 2), _big(4))
+        prepare_on_source(source_db, "small", _events(1, 3))
+        prepare_on_source(source_db, "big", _big(2))
+        prepare_on_source(source_db, "doomed", _events(3, 2), _big(4))
         source_db.execute(_events(5))
         wait_for(lambda: _held(target_db, mode) == 3 and _counts(target_db) == {5: 1},
                  what="three prepares held and the plain transaction applied")
@@ -244,7 +236,7 @@ def test_killed_right_after_the_target_prepare(source_db, target_db, mode: str) 
     """Prepare mode: PREPARE TRANSACTION done, position not recorded; defer mode: the deferred
     content committed, the source not told. Either way the source resends the prepare."""
     _setup(source_db, target_db)
-    _prepared(source_db, "p", _events(1, 2), _big(2))
+    prepare_on_source(source_db, "p", _events(1, 2), _big(2))
     fault = "after_prepare" if mode == "prepare" else "before_feedback"
     run_worker(source_db, target_db, *_mode(mode), fault=fault, expect_rc=-9)
     assert _held(target_db, mode) == 1
@@ -268,8 +260,8 @@ def test_killed_between_commit_prepared_and_its_feedback(source_db, target_db, m
     the N-th finished transaction (1: the commit prepared, 2: the rollback prepared) is recorded
     but the source not told."""
     _setup(source_db, target_db)
-    _prepared(source_db, "c", _events(1, 2))
-    _prepared(source_db, "r", _events(2, 2))
+    prepare_on_source(source_db, "c", _events(1, 2))
+    prepare_on_source(source_db, "r", _events(2, 2))
     run_worker(source_db, target_db, *_mode(mode))
     source_db.execute("COMMIT PREPARED 'c'")
     source_db.execute("ROLLBACK PREPARED 'r'")
@@ -283,7 +275,7 @@ def test_killed_between_commit_prepared_and_its_feedback(source_db, target_db, m
 def test_killed_during_a_streamed_prepare(source_db, target_db, mode: str) -> None:
     _setup(source_db, target_db)
     source_db.execute(_events(0))
-    _prepared(source_db, "streamed", _big(1, 3000), "SAVEPOINT a", _big(2), "ROLLBACK TO a",
+    prepare_on_source(source_db, "streamed", _big(1, 3000), "SAVEPOINT a", _big(2), "ROLLBACK TO a",
               _big(3))
     source_db.execute(_events(4))
     run_worker(source_db, target_db, *_mode(mode), "--memory-budget", "256kB",

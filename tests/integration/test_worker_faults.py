@@ -13,7 +13,7 @@ import psycopg
 import pytest
 
 from replication import (
-    assert_same_rows, create_slot, run_worker, start_worker, stop_worker, wait_for,
+    assert_same_rows, create_slot, replicated_table, run_worker, start_worker, stop_worker, wait_for,
 )
 
 pytestmark = pytest.mark.server
@@ -140,7 +140,7 @@ def test_killed_connections_and_restarted_source_are_survived(source_db, target_
             wait_for(lambda: applied() > seen, timeout=60, what="progress before a kill")
             # Mid-stream: the walsender on the source and the apply session on the target.
             _terminate(source_db, "backend_type = 'walsender'")
-            _terminate(target_db, f"datname = current_database() AND application_name = 'applier s'")
+            _terminate(target_db, "datname = current_database() AND application_name = 'applier s'")
             time.sleep(0.5)
             assert proc.poll() is None, log.read_text()[-3000:]
         seen = applied()
@@ -182,10 +182,7 @@ def test_missing_target_table_is_named(source_db, target_db) -> None:
 
 
 def test_second_worker_on_the_same_slot_is_refused(source_db, target_db, tmp_path: Path) -> None:
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    target_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
-    create_slot(source_db)
+    replicated_table(source_db, target_db)
     first = start_worker(source_db, target_db, log_path=tmp_path / "first.log")
     try:
         wait_for(lambda: source_db.query("SELECT active FROM pg_replication_slots WHERE slot_name = 's'")
@@ -199,10 +196,7 @@ def test_second_worker_on_the_same_slot_is_refused(source_db, target_db, tmp_pat
 
 
 def test_sigterm_stops_cleanly_and_confirms(source_db, target_db, tmp_path: Path) -> None:
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    target_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
-    create_slot(source_db)
+    replicated_table(source_db, target_db)
     proc = start_worker(source_db, target_db, log_path=tmp_path / "w.log")
     source_db.execute("INSERT INTO t SELECT generate_series(1, 10)")
     wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(10,)], what="apply")
@@ -227,8 +221,6 @@ def test_missing_slot_or_publication_is_a_clear_permanent_error(source_db, targe
 
 
 def test_create_slot_option_creates_it(source_db, target_db) -> None:
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    target_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    replicated_table(source_db, target_db, with_slot=False)
     run_worker(source_db, target_db, "--create-slot")
     assert source_db.query("SELECT plugin FROM pg_replication_slots WHERE slot_name = 's'") == [("pgoutput",)]

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from replication import REPO, create_slot, start_worker, stop_worker, wait_for, worker_command
+from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
 from applier.progress import make_engine, upgrade_schema
 
@@ -54,10 +54,7 @@ def test_an_applied_position_reaches_the_slot_before_the_status_interval(source_
                                                                          tmp_path: Path) -> None:
     """A confirmed position that moved is reported promptly, not only every --status-interval:
     the slot's confirmed_flush_lsn (what frees WAL, what operators watch) follows the apply."""
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    target_db.execute("CREATE TABLE t (id int PRIMARY KEY)")
-    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
-    create_slot(source_db)
+    replicated_table(source_db, target_db)
     worker = start_worker(source_db, target_db, "--status-interval", "10", log_path=tmp_path / "w.log")
     try:
         for round_ in range(3):

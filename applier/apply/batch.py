@@ -5,6 +5,7 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   are overwritten anyway; only a superset of their columns may replace them, and never across a
   key change, a delete or a truncate of that table);
 - an insert followed by updates of the same row becomes one insert of the final row;
+- the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
   text format, else multi-row INSERTs; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
@@ -178,11 +179,41 @@ class Batch:
 
     # -- emitting -------------------------------------------------------------------------------
     def statements(self) -> Iterator[BatchStatement]:
-        """The batch as statements, in order, grouping consecutive ops of the same shape."""
-        run: list[_Op] = []
+        """The batch as statements, grouping consecutive ops of the same shape.
+
+        The changes of independent tables (``TargetTable.independent``) are first gathered per
+        table, each in its own order: source transactions that each touch several tables
+        (pgbench writes four) then still make long runs instead of runs of one. The target
+        transaction's outcome is the same, since only the order between such tables changes and
+        nothing on the target observes it. Any other change (a partitioned table, a table with
+        a replica trigger, TRUNCATE) is a barrier: everything recorded before it goes first."""
+        tables: dict[int, list[_Op]] = {}  # independent tables' changes, per table
+        in_order: list[_Op] = []            # other changes, since the last independent one
         for op in self._ops:
             if op is None:
                 continue
+            mapping = op.mapping
+            if mapping is not None and mapping.table.independent:
+                if in_order:
+                    yield from self._runs(in_order)
+                    in_order = []
+                ops = tables.get(mapping.relation.relation_id)
+                if ops is None:
+                    tables[mapping.relation.relation_id] = [op]
+                else:
+                    ops.append(op)
+                continue
+            for ops in tables.values():
+                yield from self._runs(ops)
+            tables.clear()
+            in_order.append(op)
+        yield from self._runs(in_order)
+        for ops in tables.values():
+            yield from self._runs(ops)
+
+    def _runs(self, ops: list[_Op]) -> Iterator[BatchStatement]:
+        run: list[_Op] = []
+        for op in ops:
             # shape[-1]: whether ops of that shape may share one multi-row statement.
             if run and (op.shape != run[0].shape or not op.shape[-1]):
                 yield from self._emit(run)

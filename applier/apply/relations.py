@@ -44,6 +44,10 @@ class TargetTable:
     columns: dict[str, TargetColumn]
     unique_key: tuple[str, ...]   # primary key, else the replica identity index; () when none
     partitioned: bool
+    #: Its rows live in no other table (neither partitioned nor a partition) and no trigger or
+    #: rule fires on it in the replica role: within one target transaction its changes may be
+    #: written before or after other such tables' changes with the same outcome.
+    independent: bool = False
 
     @property
     def sql_name(self) -> str:
@@ -51,7 +55,12 @@ class TargetTable:
 
 
 _TABLE_SQL = text("""
-    SELECT c.oid, c.relkind = 'p'
+    SELECT c.oid, c.relkind = 'p',
+           c.relkind = 'r' AND NOT c.relispartition
+           AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
+                           WHERE t.tgrelid = c.oid AND t.tgenabled IN ('A', 'R'))
+           AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite r
+                           WHERE r.ev_class = c.oid AND r.ev_enabled IN ('A', 'R'))
     FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
     WHERE n.nspname = :schema AND c.relname = :name AND c.relkind IN ('r', 'p')
 """)
@@ -85,11 +94,11 @@ def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
         raise MissingTargetTable(
             f"target table {qualified_name(schema, name)} does not exist; create it on the target "
             "(same schema-qualified name) and restart")
-    oid, partitioned = found
+    oid, partitioned, independent = found
     columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]))
                for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
     key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
-    return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned))
+    return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))
 
 
 @dataclass(frozen=True, slots=True)

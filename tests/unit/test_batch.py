@@ -8,12 +8,13 @@ from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, 
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
 
-def _mapping(identity: str = "d", relation_id: int = 1) -> RelationMapping:
-    relation = Relation(None, relation_id, "public", "t", identity, (
+def _mapping(identity: str = "d", relation_id: int = 1, independent: bool = False) -> RelationMapping:
+    relation = Relation(None, relation_id, "public", f"t{relation_id}", identity, (
         RelationColumn(1, "id", 23, -1), RelationColumn(0, "v", 25, -1), RelationColumn(0, "big", 25, -1)))
     columns = {name: TargetColumn(name, kind, False, True)
                for name, kind in (("id", "integer"), ("v", "text"), ("big", "text"))}
-    return map_relation(relation, TargetTable("public", "t", columns, ("id",), False))
+    return map_relation(relation, TargetTable("public", f"t{relation_id}", columns, ("id",), False,
+                                              independent))
 
 
 def _row(*values: bytes | None | object) -> TupleData:
@@ -30,7 +31,7 @@ def test_repeated_updates_of_one_row_fold_into_the_last() -> None:
     (statement,) = batch.statements()
     assert statement.expected_rows == 10
     assert statement.values[:8] == [b"1", b"4", b"x", b"1", b"2", b"other", b"y", b"2"]
-    assert statement.sql.startswith('UPDATE "public"."t" AS t SET')
+    assert statement.sql.startswith('UPDATE "public"."t1" AS t SET')
 
 
 def test_insert_then_updates_becomes_one_insert_of_the_final_row() -> None:
@@ -39,7 +40,7 @@ def test_insert_then_updates_becomes_one_insert_of_the_final_row() -> None:
     batch.update(mapping, _row(b"1", b"b", b"x"), None)
     batch.update(mapping, _row(b"1", b"c", b"z"), None)
     (statement,) = batch.statements()
-    assert statement.sql.startswith('INSERT INTO "public"."t"')
+    assert statement.sql.startswith('INSERT INTO "public"."t1"')
     assert "ON CONFLICT" in statement.sql
     assert statement.values == [b"1", b"c", b"z"] and statement.expected_rows == 1
 
@@ -83,7 +84,7 @@ def test_long_insert_runs_become_one_copy_unless_a_value_is_binary() -> None:
     for n in range(COPY_MIN_ROWS + 34):
         batch.insert(mapping, _row(str(n).encode(), b"tab\there", None))
     (statement,) = batch.statements()
-    assert statement.sql == 'COPY "public"."t" ("id", "v", "big") FROM STDIN'
+    assert statement.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN'
     assert statement.expected_rows == COPY_MIN_ROWS + 34 and statement.cache_key is None
     assert statement.copy_data is not None
     assert statement.copy_data.startswith(b"0\ttab\\there\t\\N\n1\t")  # the tab escaped
@@ -100,11 +101,11 @@ def test_full_identity_changes_stand_alone_and_truncate_orders_everything() -> N
     batch, full = Batch(), _mapping("f")
     batch.update(full, _row(b"1", b"b", b"x"), _row(b"1", b"a", b"x"))
     batch.update(full, _row(b"1", b"c", b"x"), _row(b"1", b"b", b"x"))
-    batch.statement('TRUNCATE "public"."t"')
+    batch.statement('TRUNCATE "public"."t1"')
     batch.delete(full, _row(b"1", b"c", b"x"))
     statements = list(batch.statements())
     assert [s.expected_rows for s in statements] == [1, 1, None, 1]
-    assert "ctid" in statements[0].sql and statements[2].sql == 'TRUNCATE "public"."t"'
+    assert "ctid" in statements[0].sql and statements[2].sql == 'TRUNCATE "public"."t1"'
 
 
 def test_row_and_byte_counts_bound_the_batch() -> None:
@@ -114,3 +115,32 @@ def test_row_and_byte_counts_bound_the_batch() -> None:
     assert batch.rows == 2 and batch.bytes == (1 + 3) + (1 + 4)
     batch.clear()
     assert not batch and batch.rows == 0
+
+
+def test_changes_of_independent_tables_are_gathered_per_table() -> None:
+    # pgbench-like: each source transaction updates one table and inserts into another.
+    batch = Batch()
+    accounts, history = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
+    for n in range(1, 11):
+        batch.update(accounts, _row(str(n).encode(), b"v", b"x"), None)
+        batch.insert(history, _row(str(n).encode(), b"h", b"x"))
+    statements = list(batch.statements())
+    assert [(s.sql.split()[0], s.expected_rows) for s in statements] == [("UPDATE", 10), ("INSERT", 10)]
+    # Within a table the order stands: a delete between two inserts of one key keeps its place.
+    batch.clear()
+    batch.insert(accounts, _row(b"9", b"a", b"x"))
+    batch.insert(history, _row(b"1", b"h", b"x"))
+    batch.delete(accounts, _row(b"9", None, None))
+    batch.insert(accounts, _row(b"9", b"b", b"x"))
+    assert [s.sql.split()[0] for s in batch.statements()] == ["INSERT", "DELETE", "INSERT", "INSERT"]
+
+
+def test_a_dependent_table_is_a_barrier_for_gathering() -> None:
+    # A table with a replica trigger (or a partition, or a TRUNCATE) sees everything before it.
+    batch = Batch()
+    plain, triggered = _mapping(relation_id=1, independent=True), _mapping(relation_id=2)
+    batch.insert(plain, _row(b"1", b"a", b"x"))
+    batch.insert(triggered, _row(b"1", b"a", b"x"))
+    batch.insert(plain, _row(b"2", b"a", b"x"))
+    tables = [s.sql.split()[2] for s in batch.statements()]
+    assert tables == ['"public"."t1"', '"public"."t2"', '"public"."t1"']

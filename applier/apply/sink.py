@@ -481,7 +481,6 @@ class TargetApplier:
     def _update(self, msg: Update) -> None:
         mapping = self._mapping(msg.relation_id)
         new = msg.new_tuple
-        assigned = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         old = msg.old_tuple
         if old is not None and mapping.full_identity:
             key_source, key_positions = 1, tuple(i for i, k in enumerate(old.kinds) if k != KIND_UNCHANGED)
@@ -497,6 +496,7 @@ class TargetApplier:
             self._batch.update(mapping, new, old)
             self._bound_batch()
             return
+        assigned = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         by_key = not mapping.full_identity
         statement = self._update_statement(mapping, assigned, key_source, key_positions, by_key)
         conflicts = self._conflicts

@@ -1,6 +1,6 @@
 /*
- * C accelerator for the pgoutput hot path: Insert, Update and Delete messages, and the text
- * COPY rows the apply stage builds from their values (copy_text; applier/apply/copy.py holds
+ * C accelerator for the pgoutput hot path: Begin, Commit, Insert, Update and Delete messages
+ * (a stream of small transactions is mostly Begin and Commit), and the text COPY rows the apply stage builds from their values (copy_text; applier/apply/copy.py holds
  * the pure-Python reference).
  *
  * Owns nothing but speed. It builds exactly the objects the pure-Python decoder builds
@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <datetime.h>
 #include <stdint.h>
 
 /* A class whose slots we fill directly; offsets[i] is where field i lives in the instance. */
@@ -27,9 +28,12 @@ typedef struct {
     Py_ssize_t offsets[5];
 } SlotClass;
 
-static SlotClass TupleDataCls, InsertCls, UpdateCls, DeleteCls;
+static SlotClass TupleDataCls, InsertCls, UpdateCls, DeleteCls, BeginCls, CommitCls;
 static PyObject *Unchanged;                    /* messages.UNCHANGED_TOAST */
-static PyObject *FallbackInsert, *FallbackUpdate, *FallbackDelete;
+static PyObject *LsnType;                      /* lsn.LSN, an int subclass */
+static PyObject *Epoch;                        /* lsn.PG_EPOCH: wire timestamps count from it */
+static PyObject *FallbackInsert, *FallbackUpdate, *FallbackDelete, *FallbackBegin,
+    *FallbackCommit;
 static PyObject *KindK, *KindO;                /* 'K' and 'O', as chr() gives them */
 
 /* Outcome of a parse step: done, malformed (let Python raise), or a Python error is set. */
@@ -39,6 +43,44 @@ static inline uint32_t
 be32(const unsigned char *p)
 {
     return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static inline uint64_t
+be64(const unsigned char *p)
+{
+    return ((uint64_t)be32(p) << 32) | be32(p + 4);
+}
+
+/* An LSN object for a wire position. */
+static PyObject *
+make_lsn(const unsigned char *p)
+{
+    PyObject *value = PyLong_FromUnsignedLongLong(be64(p)), *lsn;
+    if (value == NULL)
+        return NULL;
+    lsn = PyObject_CallOneArg(LsnType, value);
+    Py_DECREF(value);
+    return lsn;
+}
+
+/* An aware datetime for a wire TimestampTz (microseconds since PG_EPOCH), as lsn.pg_timestamp
+ * makes it; NULL with OverflowError set when out of datetime's range. */
+static PyObject *
+make_timestamp(const unsigned char *p)
+{
+    const int64_t per_day = 86400LL * 1000000LL;
+    int64_t micros = (int64_t)be64(p), days = micros / per_day, rest = micros % per_day;
+    PyObject *delta, *moment;
+    if (rest < 0) {
+        rest += per_day;
+        days--;
+    }
+    delta = PyDelta_FromDSU((int)days, (int)(rest / 1000000), (int)(rest % 1000000));
+    if (delta == NULL)
+        return NULL;
+    moment = PyNumber_Add(Epoch, delta);
+    Py_DECREF(delta);
+    return moment;
 }
 
 /* Allocate an instance of cls and move the references in values into its slots. */
@@ -323,6 +365,70 @@ decode_delete(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return build(&DeleteCls, fields, 4);
 }
 
+/* Fill fields[0..count) with make(...) results; on failure release what was made. Returns OK,
+ * MALFORMED (a value out of range: Python raises the precise error) or FAILED. */
+static int
+made(PyObject **fields, int count)
+{
+    int i, failed = 0;
+    for (i = 0; i < count; i++)
+        failed |= fields[i] == NULL;
+    if (!failed)
+        return OK;
+    for (i = 0; i < count; i++)
+        Py_XDECREF(fields[i]);
+    if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+        PyErr_Clear();
+        return MALFORMED;
+    }
+    return FAILED;
+}
+
+static PyObject *
+decode_begin(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int in_stream, rc;
+    const unsigned char *buf;
+    PyObject *fields[3];  /* final_lsn, commit_time, xid */
+
+    rc = parse_args(args, nargs, &in_stream);
+    if (rc == FAILED)
+        return NULL;
+    if (rc == MALFORMED || PyBytes_GET_SIZE(args[0]) != 21)
+        return fallback(FallbackBegin, args);
+    buf = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    fields[0] = make_lsn(buf + 1);
+    fields[1] = fields[0] ? make_timestamp(buf + 9) : NULL;
+    fields[2] = fields[1] ? PyLong_FromUnsignedLong(be32(buf + 17)) : NULL;
+    rc = made(fields, 3);
+    if (rc != OK)
+        return rc == MALFORMED ? fallback(FallbackBegin, args) : NULL;
+    return build(&BeginCls, fields, 3);
+}
+
+static PyObject *
+decode_commit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    int in_stream, rc;
+    const unsigned char *buf;
+    PyObject *fields[4];  /* flags, commit_lsn, end_lsn, commit_time */
+
+    rc = parse_args(args, nargs, &in_stream);
+    if (rc == FAILED)
+        return NULL;
+    if (rc == MALFORMED || PyBytes_GET_SIZE(args[0]) != 26)
+        return fallback(FallbackCommit, args);
+    buf = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    fields[0] = PyLong_FromLong(buf[1]);
+    fields[1] = fields[0] ? make_lsn(buf + 2) : NULL;
+    fields[2] = fields[1] ? make_lsn(buf + 10) : NULL;
+    fields[3] = fields[2] ? make_timestamp(buf + 18) : NULL;
+    rc = made(fields, 4);
+    if (rc != OK)
+        return rc == MALFORMED ? fallback(FallbackCommit, args) : NULL;
+    return build(&CommitCls, fields, 4);
+}
+
 /* Resolve cls's slot offsets for names, refusing anything but a plain object slot. */
 static int
 bind_class(SlotClass *cls, PyObject *type, const char *const *names, int count)
@@ -360,26 +466,40 @@ init(PyObject *module, PyObject *args)
     static const char *const update_fields[] = {"xid", "relation_id", "old_kind", "old_tuple",
                                                 "new_tuple"};
     static const char *const delete_fields[] = {"xid", "relation_id", "old_kind", "old_tuple"};
-    PyObject *tuple_data, *insert, *update, *delete, *unchanged, *fb_insert, *fb_update,
-        *fb_delete;
+    static const char *const begin_fields[] = {"final_lsn", "commit_time", "xid"};
+    static const char *const commit_fields[] = {"flags", "commit_lsn", "end_lsn", "commit_time"};
+    PyObject *tuple_data, *insert, *update, *delete, *begin, *commit, *lsn, *epoch, *unchanged,
+        *fb_insert, *fb_update, *fb_delete, *fb_begin, *fb_commit;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOOO:init", &tuple_data, &insert, &update, &delete,
-                          &unchanged, &fb_insert, &fb_update, &fb_delete))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOO:init", &tuple_data, &insert, &update, &delete,
+                          &begin, &commit, &lsn, &epoch, &unchanged, &fb_insert, &fb_update,
+                          &fb_delete, &fb_begin, &fb_commit))
         return NULL;
     if (!PyCallable_Check(fb_insert) || !PyCallable_Check(fb_update) ||
-        !PyCallable_Check(fb_delete)) {
-        PyErr_SetString(PyExc_TypeError, "init() expects callable fallbacks");
+        !PyCallable_Check(fb_delete) || !PyCallable_Check(fb_begin) ||
+        !PyCallable_Check(fb_commit) || !PyCallable_Check(lsn)) {
+        PyErr_SetString(PyExc_TypeError, "init() expects callable fallbacks and LSN type");
+        return NULL;
+    }
+    if (!PyDateTime_Check(epoch)) {
+        PyErr_SetString(PyExc_TypeError, "init() expects the epoch as a datetime");
         return NULL;
     }
     if (bind_class(&TupleDataCls, tuple_data, tuple_fields, 2) < 0 ||
         bind_class(&InsertCls, insert, insert_fields, 3) < 0 ||
         bind_class(&UpdateCls, update, update_fields, 5) < 0 ||
+        bind_class(&BeginCls, begin, begin_fields, 3) < 0 ||
+        bind_class(&CommitCls, commit, commit_fields, 4) < 0 ||
         bind_class(&DeleteCls, delete, delete_fields, 4) < 0)
         return NULL;
     Py_XSETREF(Unchanged, Py_NewRef(unchanged));
+    Py_XSETREF(LsnType, Py_NewRef(lsn));
+    Py_XSETREF(Epoch, Py_NewRef(epoch));
     Py_XSETREF(FallbackInsert, Py_NewRef(fb_insert));
     Py_XSETREF(FallbackUpdate, Py_NewRef(fb_update));
     Py_XSETREF(FallbackDelete, Py_NewRef(fb_delete));
+    Py_XSETREF(FallbackBegin, Py_NewRef(fb_begin));
+    Py_XSETREF(FallbackCommit, Py_NewRef(fb_commit));
     Py_RETURN_NONE;
 }
 
@@ -477,9 +597,14 @@ copy_text(PyObject *module, PyObject *rows)
 
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
-     "init(TupleData, Insert, Update, Delete, UNCHANGED_TOAST, insert_fallback, "
-     "update_fallback, delete_fallback)\n--\n\nBind the message classes and the pure-Python "
-     "decoders used for malformed input. Call once before decoding."},
+     "init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST, "
+     "insert_fallback, update_fallback, delete_fallback, begin_fallback, commit_fallback)"
+     "\n--\n\nBind the message classes and the pure-Python decoders used for malformed input. "
+     "Call once before decoding."},
+    {"decode_begin", (PyCFunction)(void (*)(void))decode_begin, METH_FASTCALL,
+     "decode_begin(buf, in_stream)\n--\n\nDecode a Begin message (type byte 'B')."},
+    {"decode_commit", (PyCFunction)(void (*)(void))decode_commit, METH_FASTCALL,
+     "decode_commit(buf, in_stream)\n--\n\nDecode a Commit message (type byte 'C')."},
     {"decode_insert", (PyCFunction)(void (*)(void))decode_insert, METH_FASTCALL,
      "decode_insert(buf, in_stream)\n--\n\nDecode an Insert message (type byte 'I')."},
     {"decode_update", (PyCFunction)(void (*)(void))decode_update, METH_FASTCALL,
@@ -493,12 +618,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "applier.protocol._speedups",
-    "C accelerator for pgoutput Insert/Update/Delete decoding; see decoder.py.", -1, methods,
+    "C accelerator for pgoutput Begin/Commit/Insert/Update/Delete decoding; see decoder.py.", -1,
+    methods,
 };
 
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
+    PyDateTime_IMPORT;
+    if (PyDateTimeAPI == NULL)
+        return NULL;
     KindK = PyUnicode_FromOrdinal('K');
     KindO = PyUnicode_FromOrdinal('O');
     if (KindK == NULL || KindO == NULL)

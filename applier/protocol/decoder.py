@@ -11,8 +11,9 @@ message, the offset and the fault; nothing else (IndexError, struct.error, Unico
 may escape. Inserts, updates and deletes are the hot path and are written out inline; the rarer
 messages go through the slower, simpler ``_Reader``.
 
-The hot path has an optional C accelerator (``_speedups``, built by ``pip install``) that builds
-the very same objects; ``decode`` uses it when it is importable. The pure-Python functions here
+The hot path has an optional C accelerator (``_speedups``, built by ``pip install``) for Insert,
+Update, Delete, and Begin and Commit (most of a stream of small transactions), that builds the
+very same objects; ``decode`` uses it when it is importable. The pure-Python functions here
 stay the reference: the accelerator hands every malformed message back to them, so errors are
 theirs, and ``decode_pure`` always runs them alone. Set ``APPLIER_PURE_PYTHON=1`` in the
 environment to keep ``decode`` off the accelerator (to rule it out when chasing a bug).
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from typing import Final
 
 from .errors import DecodeError
-from .lsn import LSN, pg_timestamp
+from .lsn import LSN, PG_EPOCH, pg_timestamp
 from .messages import (
     UNCHANGED_TOAST, Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message,
     Origin, Prepare, Relation, RelationColumn, ReplicationMessage, RollbackPrepared,
@@ -400,7 +401,7 @@ _PURE_HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = 
 
 
 def _accelerated_handlers() -> dict[int, Callable[[bytes, bool], ReplicationMessage]] | None:
-    """The handler table with I/U/D in C, or None when the accelerator is absent or disabled."""
+    """The handler table with B/C/I/U/D in C, or None when the accelerator is absent or disabled."""
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
         return None
     try:
@@ -409,11 +410,13 @@ def _accelerated_handlers() -> dict[int, Callable[[bytes, bool], ReplicationMess
         return None
     # The C side gets the classes and the pure decoders rather than importing them itself, so it
     # cannot drift from messages.py; on malformed input it calls the fallbacks for the error.
-    _speedups.init(TupleData, Insert, Update, Delete, UNCHANGED_TOAST, _insert, _update, _delete)
-    return {**_PURE_HANDLERS, ord("I"): _speedups.decode_insert,
-            ord("U"): _speedups.decode_update, ord("D"): _speedups.decode_delete}
+    _speedups.init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST,
+                   _insert, _update, _delete, _begin, _commit)
+    return {**_PURE_HANDLERS, ord("I"): _speedups.decode_insert, ord("U"): _speedups.decode_update,
+            ord("D"): _speedups.decode_delete, ord("B"): _speedups.decode_begin,
+            ord("C"): _speedups.decode_commit}
 
 
 _HANDLERS: Final = _accelerated_handlers() or _PURE_HANDLERS
-#: Whether ``decode`` runs Insert/Update/Delete through the C accelerator.
+#: Whether ``decode`` runs Begin/Commit/Insert/Update/Delete through the C accelerator.
 ACCELERATED: Final[bool] = _HANDLERS is not _PURE_HANDLERS

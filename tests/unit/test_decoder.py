@@ -67,16 +67,29 @@ def test_timestamps_count_from_2000_utc() -> None:
 # ---------------------------------------------------------------------------------------------
 # Transaction framing and the rarer messages
 
-def test_begin() -> None:
-    msg = decode(pg.begin(LSN1, T0, 1234))
-    assert msg == Begin(LSN(LSN1), T0_DT, 1234)
-    assert isinstance(msg.final_lsn, LSN) and str(msg.final_lsn) == "16/B374D848"
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("micros,moment", [
+    (T0, T0_DT), (0, datetime(2000, 1, 1, tzinfo=timezone.utc)),
+    (-1, datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc))])
+def test_begin(impl: Decode, micros: int, moment: datetime) -> None:
+    msg = impl(pg.begin(LSN1, micros, 4_000_000_000), False)
+    assert msg == Begin(LSN(LSN1), moment, 4_000_000_000)
+    assert type(msg.final_lsn) is LSN and str(msg.final_lsn) == "16/B374D848"
 
 
-def test_commit() -> None:
-    msg = decode(pg.commit(0, LSN1, LSN2, T0))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_commit(impl: Decode) -> None:
+    msg = impl(pg.commit(0, LSN1, LSN2, T0), False)
     assert msg == Commit(0, LSN(LSN1), LSN(LSN2), T0_DT)
-    assert isinstance(msg.end_lsn, LSN)
+    assert type(msg.commit_lsn) is LSN and type(msg.end_lsn) is LSN
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_begin_and_commit_timestamps_out_of_range_are_decode_errors(impl: Decode) -> None:
+    for data in (pg.begin(LSN1, 2**63 - 1, 1), pg.commit(0, LSN1, LSN2, -(2**63))):
+        assert "out of range" in errors_of(impl, data)[2]
+    assert "trailing" in errors_of(impl, pg.begin(LSN1, T0, 1) + b"x")[2]
+    assert "needs 8 bytes" in errors_of(impl, pg.commit(0, LSN1, LSN2, T0)[:20])[2]
 
 
 def test_origin() -> None:

@@ -92,7 +92,7 @@ def test_random_bytes(data: bytes, in_stream: bool) -> None:
 
 
 @FUZZ
-@given(st.sampled_from(b"IUD"), st.binary(max_size=48), st.booleans())
+@given(st.sampled_from(b"IUDBC"), st.binary(max_size=48), st.booleans())
 def test_random_dml_bodies(type_byte: int, body: bytes, in_stream: bool) -> None:
     check(bytes([type_byte]) + body, in_stream)
 

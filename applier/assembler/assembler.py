@@ -34,7 +34,7 @@ __all__ = ["Assembler"]
 HEARTBEAT_EVERY = 1024
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per transaction, and frozen ones are slower to make
 class _PlainTransaction:
     """The non-streamed transaction being passed through (between Begin/BeginPrepare and its end)."""
 

@@ -22,7 +22,9 @@ __all__ = ["TransactionSink", "TransactionStart", "TransactionEnd", "Change"]
 Change: TypeAlias = Union[Insert, Update, Delete, Truncate, Message]
 
 
-@dataclass(frozen=True, slots=True)
+# The envelopes are made for every source transaction and never changed; they are not frozen
+# only because a frozen dataclass costs about 1 µs more per object to make.
+@dataclass(slots=True)
 class TransactionStart:
     """A source transaction starts being delivered.
 
@@ -40,7 +42,7 @@ class TransactionStart:
     end_lsn: LSN | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransactionEnd:
     """The end of a delivered transaction: Commit, Prepare, Stream Commit or Stream Prepare."""
 

@@ -379,15 +379,13 @@ class Worker:
             # asked for may still show the position before the goal.
             waiting = self._unflushed or (self.caught_up is not None
                                           and stream.flush_lsn < self.caught_up.goal)
-            data = stream.read(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
-            if data is not None:
-                message = decode(data.payload, assembler.in_stream)
-                assembler.feed(message, data.payload)
-                if not assembler.idle:
-                    continue
-            elif not assembler.idle:
+            batch = stream.read_batch(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
+            for data in batch:
+                payload = data.payload
+                assembler.feed(decode(payload, assembler.in_stream), payload)
+            if not assembler.idle:
                 continue
-            if data is None and applier.holds_uncommitted:
+            if not batch and applier.holds_uncommitted:
                 applier.flush(durable=True)
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
                 self._confirm_flushed(stream, applier)

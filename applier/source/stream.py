@@ -35,6 +35,9 @@ _STATUS = struct.Struct(">cQQQQB")
 #: interval applies only when nothing moved): the slot releases WAL, and its confirmed position
 #: (what operators watch) follows the apply closely, as with PostgreSQL's own subscriber.
 PROGRESS_REPORT_INTERVAL = 1.0
+#: Most XLogData messages ``read_batch`` returns at once (the caller's stop and commit checks
+#: run between batches).
+READ_BATCH = 256
 
 #: SQLSTATEs after which retrying cannot help: the operator must act.
 PERMANENT_SQLSTATES = {
@@ -59,7 +62,7 @@ class SourceError(Exception):
         self.sqlstate = sqlstate
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: that costs ~1 µs per object, and there is one per message
 class XLogData:
     data_start: LSN
     wal_end: LSN
@@ -116,6 +119,7 @@ class ReplicationStream:
         self._last_status = 0.0
         self._reported_flush_lsn = LSN(0)
         self.bytes_received = 0
+        self._ended = False            # the server ended the stream after the last batch
 
     # -- connection ---------------------------------------------------------------------------
     def connect(self) -> psycopg.Connection:
@@ -150,6 +154,7 @@ class ReplicationStream:
         yet have noticed that our previous walsender is gone. A slot held by another consumer
         for longer than that is a permanent error.
         """
+        self._ended = False
         retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, SourceError)
                                                      and e.sqlstate == "55006"),
                             stop=stop_after_delay(_SLOT_RELEASE_SECONDS), wait=wait_fixed(0.5),
@@ -188,45 +193,67 @@ class ReplicationStream:
 
     # -- stream -------------------------------------------------------------------------------
     def read(self, timeout: float) -> XLogData | None:
-        """Next XLogData, or None after ``timeout`` seconds without one.
+        """Next XLogData, or None after ``timeout`` seconds without one (``read_batch`` of one)."""
+        batch = self.read_batch(timeout, limit=1)
+        return batch[0] if batch else None
+
+    def read_batch(self, timeout: float, limit: int = READ_BATCH) -> list[XLogData]:
+        """The XLogData that has arrived: waits up to ``timeout`` seconds for the first, then takes
+        what is already here (at most ``limit``) without waiting again; empty after ``timeout``
+        without any. Taking a batch spares the per-message overhead of a call each.
 
         Keepalives are consumed here; a keepalive that asks for a reply gets a status update at
         once, and one is sent anyway when ``status_interval`` has passed.
         """
+        if self._ended:
+            self._raise_stream_end()
         pgconn = self.connection.pgconn
-        deadline = time.monotonic() + timeout
+        self.send_status_if_due()
+        batch: list[XLogData] = []
+        deadline: float | None = None
         while True:
-            self.send_status_if_due()
             nbytes, data = pgconn.get_copy_data(1)
-            if nbytes == 0:
-                # Nothing complete in libpq's buffer: look at the socket (even with no time left,
-                # what has already arrived must be read in, or a zero timeout would spin).
-                remaining = max(deadline - time.monotonic(), 0.0)
-                readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
-                if readable:
-                    pgconn.consume_input()
+            if nbytes > 0:
+                self.bytes_received += nbytes
+                kind = data[0]
+                if kind == 0x77:  # 'w' XLogData
+                    start, wal_end, _ = _XLOGDATA_HEADER.unpack_from(data, 1)
+                    start_lsn = LSN(start)
+                    if start > self.received_lsn:
+                        self.received_lsn = start_lsn
+                    batch.append(XLogData(start_lsn, LSN(wal_end), data[25:].tobytes()))
+                    if len(batch) >= limit:
+                        return batch
                     continue
-                if remaining <= 0:
-                    return None
-                continue
+                if kind == 0x6B:  # 'k' keepalive
+                    wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                    self.keepalive_wal_end = LSN(wal_end)
+                    if wal_end > self.received_lsn:
+                        self.received_lsn = LSN(wal_end)
+                    if reply:
+                        self.send_status()
+                    continue
+                raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}", permanent=True)
             if nbytes < 0:
+                if batch:  # deliver what came before the end; the next call raises
+                    self._ended = True
+                    return batch
                 self._raise_stream_end()
-            kind = data[0]
-            self.bytes_received += nbytes
-            if kind == 0x77:  # 'w' XLogData
-                start, wal_end, _ = _XLOGDATA_HEADER.unpack_from(data, 1)
-                if start > self.received_lsn:
-                    self.received_lsn = LSN(start)
-                return XLogData(LSN(start), LSN(wal_end), bytes(data[25:]))
-            if kind == 0x6B:  # 'k' keepalive
-                wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
-                self.keepalive_wal_end = LSN(wal_end)
-                if wal_end > self.received_lsn:
-                    self.received_lsn = LSN(wal_end)
-                if reply:
-                    self.send_status()
+            if batch:
+                return batch
+            # Nothing complete in libpq's buffer: look at the socket (even with no time left,
+            # what has already arrived must be read in, or a zero timeout would spin).
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + timeout
+            remaining = max(deadline - now, 0.0)
+            readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
+            if readable:
+                pgconn.consume_input()
                 continue
-            raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}", permanent=True)
+            if remaining <= 0:
+                return batch
+            self.send_status_if_due()
 
     def _raise_stream_end(self) -> None:
         pgconn = self.connection.pgconn

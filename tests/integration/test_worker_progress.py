@@ -11,6 +11,7 @@ import pytest
 from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
 from applier.progress import make_engine, upgrade_schema
+from applier.progress.store import SCHEMA_HEAD
 
 pytestmark = pytest.mark.server
 
@@ -31,6 +32,22 @@ def test_two_workers_starting_at_once_upgrade_the_schema_once(target_db) -> None
         thread.join(timeout=60)
     assert errors == []
     assert target_db.query("SELECT count(*) FROM applier.alembic_version") == [(1,)]
+    assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
+
+
+def test_a_current_schema_is_left_as_it_is_and_an_older_one_upgraded(target_db) -> None:
+    engine = make_engine(target_db.dsn)
+    upgrade_schema(engine)
+    # Current: nothing runs (a table the migrations would never touch survives as it is).
+    target_db.execute("CREATE TABLE applier.marker (id int)")
+    upgrade_schema(engine)
+    assert target_db.query("SELECT to_regclass('applier.marker') IS NOT NULL") == [(True,)]
+    # One revision behind: the newest migration runs again.
+    target_db.execute("DROP TABLE applier.copy_transactions")
+    target_db.execute("UPDATE applier.alembic_version SET version_num = '0003'")
+    upgrade_schema(engine)
+    assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
+    assert target_db.query("SELECT to_regclass('applier.copy_transactions') IS NOT NULL") == [(True,)]
 
 
 def test_writes_to_unpublished_tables_do_not_hold_the_slot_back(source_db, target_db, tmp_path: Path) -> None:

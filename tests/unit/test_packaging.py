@@ -81,3 +81,15 @@ def test_wheel_has_the_entry_point_and_the_migrations(wheel: Path) -> None:
     expected = {p.name for p in (REPO / "migrations" / "versions").glob("*.py")}
     assert expected <= shipped, f"migrations missing from the wheel: {expected - shipped}"
     assert "applier/ops/healthcheck.py" in names  # what the HEALTHCHECK runs
+
+
+def test_the_schema_head_constant_is_alembics_head() -> None:
+    """upgrade_schema skips alembic when the target is at SCHEMA_HEAD: it must be the newest."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from applier.progress.store import MIGRATIONS_DIR, SCHEMA_HEAD
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    assert ScriptDirectory.from_config(config).get_heads() == [SCHEMA_HEAD]

@@ -6,8 +6,10 @@ fresh source database and two identical target databases, creates two slots at t
 writes the workload on the source (the backlog accumulates in both slots), then drains one slot
 with ``applier run --exit-when-caught-up`` and the other with a native ``CREATE SUBSCRIPTION``
 (``copy_data = false`` on the pre-made slot), verifies both targets equal the source, and prints
-elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and the target's
-physical ceiling (binary COPY of the same rows).
+elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and two physical
+limits: the source's (decoding the same backlog from a third slot with
+``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). The
+applier package is byte-compiled first, as an installed wheel is.
 
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...]
 """
@@ -15,6 +17,7 @@ physical ceiling (binary COPY of the same rows).
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import subprocess
 import sys
@@ -155,6 +158,21 @@ def drain_native(source: Database, target: Database, slot: str, work_mem: str, e
     return Result(elapsed)
 
 
+def source_ceiling(source: Database, slot: str, work_mem: str, end_lsn: str, pg_version: int) -> float:
+    """Seconds for the source alone to decode the backlog: ``pg_logical_slot_get_binary_changes``
+    runs pgoutput over the slot with our worker's options up to ``end_lsn`` in one backend, with
+    no network and no client (a client such as pg_recvlogical, writing every message out, is
+    itself slower than the native subscriber and would measure itself)."""
+    proto, streaming = (4, "parallel") if pg_version >= 16 else (3, "on")
+    with source.connect() as conn:
+        conn.execute(sql.SQL("SET logical_decoding_work_mem = {}").format(sql.Literal(work_mem)))
+        started = time.monotonic()
+        conn.execute("SELECT count(*) FROM pg_logical_slot_get_binary_changes(%s, %s::pg_lsn, NULL, "
+                     "'proto_version', %s, 'publication_names', 'bench', 'streaming', %s)",
+                     (slot, end_lsn, str(proto), streaming))
+        return time.monotonic() - started
+
+
 def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> tuple[float, int]:
     """(seconds, rows) to binary-COPY the source's rows of ``tables`` into empty copies on the target."""
     total = 0.0
@@ -176,7 +194,7 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
-                 index: int) -> tuple[Result, Result, tuple[float, int]]:
+                 index: int, pg_version: int) -> tuple[Result, Result, float, tuple[float, int]]:
     source = source_server.create_database(f"bench_src_{index}")
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
@@ -189,6 +207,7 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     source.execute(f"CREATE PUBLICATION bench FOR TABLE {tables}")
     source.execute("SELECT pg_create_logical_replication_slot('bench_ours', 'pgoutput')")
     source.execute("SELECT pg_create_logical_replication_slot('bench_native', 'pgoutput')")
+    source.execute("SELECT pg_create_logical_replication_slot('bench_source', 'pgoutput')")
     print("  writing the backlog on the source ...", flush=True)
     workload.write(source)
     end_lsn = source.query("SELECT pg_current_wal_lsn()::text")[0][0]
@@ -199,12 +218,14 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     target_server_checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
     theirs = drain_native(source, native, "bench_native", workload.decoding_work_mem, end_lsn)
+    print("  decoding on the source alone ...", flush=True)
+    alone = source_ceiling(source, "bench_source", workload.decoding_work_mem, end_lsn, pg_version)
     mine.equal = _same(source, ours, workload.tables)
     theirs.equal = _same(source, native, workload.tables)
     ceiling = copy_ceiling(source, ours, workload.tables)
     for db in (source, ours, native):
         db.cluster.drop_database(db.name)
-    return mine, theirs, ceiling
+    return mine, theirs, alone, ceiling
 
 
 def target_server_checkpoint(server: PostgresServer) -> None:
@@ -221,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
+    # An installed wheel has its bytecode; a checkout may not (PYTHONDONTWRITEBYTECODE), and
+    # compiling at every start would be measured as our start-up.
+    compileall.compile_dir(str(ROOT / "applier"), quiet=1)
     print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores) ...", flush=True)
     source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src")
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
@@ -229,14 +253,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for index, workload in enumerate(chosen):
             print(f"{workload.name}: {workload.rows:,} row changes in {workload.transactions:,} transactions",
                   flush=True)
-            rows.append((workload, *run_workload(workload, source_server, target_server, index)))
+            rows.append((workload, *run_workload(workload, source_server, target_server, index,
+                                                 args.pg_version)))
     finally:
         source_server.cleanup()
         target_server.cleanup()
     print(f"\n{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
           f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}")
     ok = True
-    for workload, mine, theirs, ceiling in rows:
+    for workload, mine, theirs, alone, ceiling in rows:
         for name, result in (("applier", mine), ("native", theirs)):
             ratio = f"{theirs.seconds / mine.seconds:.2f}x" if name == "applier" else ""
             peak = f"{result.peak_mb:.0f}" if result.peak_mb else ""
@@ -244,6 +269,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{workload.rows / result.seconds:>10,.0f} {workload.transactions / result.seconds:>9,.0f} "
                   f"{ratio:>11} {peak:>8} {str(result.equal):>6}")
             ok &= result.equal
+        print(f"{'':<26} {'source':<10} {alone:>8.2f} {workload.rows / alone:>10,.0f} "
+              f"{workload.transactions / alone:>9,.0f}   (source's physical ceiling: decoding the "
+              "backlog, nothing sent or applied)")
         seconds, copied = ceiling
         print(f"{'':<26} {'COPY':<10} {seconds:>8.2f} {copied / seconds if seconds else 0:>10,.0f}"
               f"   (target's physical ceiling: binary COPY of the {copied:,} final rows)")

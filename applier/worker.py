@@ -380,8 +380,7 @@ class Worker:
             waiting = self._unflushed or (self.caught_up is not None
                                           and stream.flush_lsn < self.caught_up.goal)
             batch = stream.read_batch(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
-            for data in batch:
-                payload = data.payload
+            for payload in batch:
                 assembler.feed(decode(payload, assembler.in_stream), payload)
             if not assembler.idle:
                 continue

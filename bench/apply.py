@@ -33,6 +33,7 @@ import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from applier.embedded import Database, PostgresServer, ServerSettings, start_server  # noqa: E402
+from applier.progress import make_engine, upgrade_schema  # noqa: E402
 
 #: Durable targets, as in production: the commit path is part of what is measured.
 #: track_commit_timestamp at PostgreSQL's default (off): the workloads load their starting rows
@@ -125,14 +126,31 @@ def drain_ours(source: Database, target: Database, slot: str, work_mem: str) -> 
     command = [sys.executable, "-m", "applier", "run", "--source", _with_work_mem(source.dsn, work_mem),
                "--target", target.dsn, "--slot", slot, "--publication", "bench",
                "--exit-when-caught-up", "--log-level", "WARNING"]
+    # The bookkeeping schema is made before the clock starts, as the native subscription is.
+    upgrade_schema(make_engine(target.dsn))
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT)
-    _, status, usage = os.wait4(proc.pid, 0)
+    peak_kb = 0
+    while True:  # the peak resident size (VmHWM) as last seen before the worker exits
+        peak_kb = max(peak_kb, _peak_kb(proc.pid))
+        try:
+            proc.wait(timeout=0.02)
+            break
+        except subprocess.TimeoutExpired:
+            continue
     elapsed = time.monotonic() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"applier run failed with status {proc.returncode}")
-    return Result(elapsed, peak_mb=usage.ru_maxrss / 1024)
+    return Result(elapsed, peak_mb=peak_kb / 1024)
+
+
+def _peak_kb(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # just exited
+        return 0
+    line = next((line for line in status.splitlines() if line.startswith("VmHWM:")), "VmHWM: 0 kB")
+    return int(line.split()[1])
 
 
 def drain_native(source: Database, target: Database, slot: str, work_mem: str, end_lsn: str) -> Result:

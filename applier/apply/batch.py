@@ -145,21 +145,25 @@ class Batch:
                                  (_UPDATE, relation_id, assigned, source, match, by_key, False)))
             return
         key = self._key(mapping, new)
+        ops = self._ops
         previous_index = self._last.get(key)
-        previous = self._ops[previous_index] if previous_index is not None else None
-        if previous is not None and previous.row is not None:
-            earlier = set(_present(previous.row))
-            if earlier <= set(assigned):
+        if previous_index is not None:
+            previous = ops[previous_index]
+            # Only a superset of the earlier change's columns replaces it (every column, the
+            # common case, always does).
+            if previous is not None and previous.row is not None and (
+                    len(assigned) == len(new.kinds)
+                    or set(_present(previous.row)) <= set(assigned)):
                 if previous.kind == _INSERT and len(assigned) == len(new.kinds):
                     # Insert then update: insert the final row instead.
                     previous.row = new
                     previous.shape = (_INSERT, relation_id, assigned, True, True)
                     return
                 if previous.kind == _UPDATE:
-                    self._ops[previous_index] = None  # overwritten by this one
-        self._last[key] = len(self._ops)
-        self._ops.append(_Op(_UPDATE, mapping, new, None,
-                             (_UPDATE, relation_id, assigned, NEW, mapping.key_positions, True, True)))
+                    ops[previous_index] = None  # overwritten by this one
+        self._last[key] = len(ops)
+        ops.append(_Op(_UPDATE, mapping, new, None,
+                       (_UPDATE, relation_id, assigned, NEW, mapping.key_positions, True, True)))
 
     def delete(self, mapping: RelationMapping, old: TupleData) -> None:
         self._count(old)

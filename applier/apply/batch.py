@@ -107,11 +107,7 @@ class Batch:
     # -- recording ------------------------------------------------------------------------------
     def _count(self, row: TupleData) -> None:
         self.rows += 1
-        values = row.values
-        if KIND_UNCHANGED in row.kinds:
-            self.bytes += sum(len(v) for v in values if type(v) is bytes)  # noqa: E721
-        else:
-            self.bytes += sum(map(len, filter(None, values)))  # type: ignore[arg-type]
+        self.bytes += row.size
 
     def _key(self, mapping: RelationMapping, row: TupleData) -> tuple:
         relation_id = mapping.relation.relation_id

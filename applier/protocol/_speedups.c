@@ -103,8 +103,8 @@ build(const SlotClass *cls, PyObject **values, int count)
 static int
 read_tuple(const unsigned char *buf, Py_ssize_t end, Py_ssize_t *pos, PyObject **out)
 {
-    Py_ssize_t p = *pos, ncols, i;
-    PyObject *kinds, *values, *fields[2];
+    Py_ssize_t p = *pos, ncols, i, size = 0;
+    PyObject *kinds, *values, *fields[3];
     char *kind_out;
 
     if (p + 2 > end)
@@ -138,6 +138,7 @@ read_tuple(const unsigned char *buf, Py_ssize_t end, Py_ssize_t *pos, PyObject *
             if (value == NULL)
                 goto failed;
             p = start + length;
+            size += length;
         }
         else if (kind == 'n') {
             value = Py_NewRef(Py_None);
@@ -154,7 +155,13 @@ read_tuple(const unsigned char *buf, Py_ssize_t end, Py_ssize_t *pos, PyObject *
     }
     fields[0] = kinds;
     fields[1] = values;
-    *out = build(&TupleDataCls, fields, 2);
+    fields[2] = PyLong_FromSsize_t(size);
+    if (fields[2] == NULL) {
+        Py_DECREF(kinds);
+        Py_DECREF(values);
+        return FAILED;
+    }
+    *out = build(&TupleDataCls, fields, 3);
     if (*out == NULL)
         return FAILED;
     *pos = p;
@@ -461,7 +468,7 @@ bind_class(SlotClass *cls, PyObject *type, const char *const *names, int count)
 static PyObject *
 init(PyObject *module, PyObject *args)
 {
-    static const char *const tuple_fields[] = {"kinds", "values"};
+    static const char *const tuple_fields[] = {"kinds", "values", "size"};
     static const char *const insert_fields[] = {"xid", "relation_id", "new_tuple"};
     static const char *const update_fields[] = {"xid", "relation_id", "old_kind", "old_tuple",
                                                 "new_tuple"};
@@ -485,7 +492,7 @@ init(PyObject *module, PyObject *args)
         PyErr_SetString(PyExc_TypeError, "init() expects the epoch as a datetime");
         return NULL;
     }
-    if (bind_class(&TupleDataCls, tuple_data, tuple_fields, 2) < 0 ||
+    if (bind_class(&TupleDataCls, tuple_data, tuple_fields, 3) < 0 ||
         bind_class(&InsertCls, insert, insert_fields, 3) < 0 ||
         bind_class(&UpdateCls, update, update_fields, 5) < 0 ||
         bind_class(&BeginCls, begin, begin_fields, 3) < 0 ||

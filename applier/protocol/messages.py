@@ -11,7 +11,7 @@ only inside a streamed block (protocol 2+); outside one it is ``None``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import Enum
 from typing import ClassVar, Final, TypeAlias, Union
@@ -50,10 +50,17 @@ ColumnValue: TypeAlias = Union[bytes, None, Unchanged]
 
 @dataclass(frozen=True, slots=True)
 class TupleData:
-    """A row image. ``kinds[i]`` is ``n``/``u``/``t``/``b`` (as ints) for ``values[i]``."""
+    """A row image. ``kinds[i]`` is ``n``/``u``/``t``/``b`` (as ints) for ``values[i]``.
+
+    ``size`` is the bytes of its values, what holding the row costs: the apply stage bounds its
+    batches by it. The C decoder fills it as it reads the values; built here, it is summed."""
 
     kinds: bytes
     values: tuple[ColumnValue, ...]
+    size: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", sum(len(v) for v in self.values if type(v) is bytes))  # noqa: E721
 
     def is_binary(self, column: int) -> bool:
         return self.kinds[column] == KIND_BINARY

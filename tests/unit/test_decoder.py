@@ -206,6 +206,7 @@ def test_insert(impl: Decode, xid: int | None) -> None:
     assert type(msg) is Insert and type(msg.new_tuple) is TupleData
     assert msg.new_tuple.is_binary(1) and not msg.new_tuple.is_binary(0)
     assert msg.new_tuple.values[3] is UNCHANGED_TOAST
+    assert msg.new_tuple.size == ROW_TUPLE.size == sum(len(v) for v in ROW_TUPLE.values if type(v) is bytes)
     assert hash(msg) == hash(Insert(xid, 16384, ROW_TUPLE))
     with pytest.raises(AttributeError):
         msg.relation_id = 1  # type: ignore[misc]

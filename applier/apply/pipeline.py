@@ -1,7 +1,8 @@
 """libpq pipeline mode on the target session: many statements per network round trip.
 
 Statements are sent without waiting for their results; ``sync()`` ends the batch and reads every
-result back in order. Each queued statement may carry the row count it must affect: the fast
+result back in order, or ``send_sync()`` ends it and ``finish()`` reads the results later, so the
+server works on one batch while the caller prepares the next. Each queued statement may carry the row count it must affect: the fast
 apply path knows exactly what each statement should do (one row per update, n rows per n-row
 insert), and any difference is reported as ``RowCountMismatch`` after the whole batch was read,
 so the caller can roll back and redo that stretch carefully. Must never decide what to send or
@@ -53,22 +54,56 @@ class _Queued:
 
 
 class Pipeline:
+    """Use as a context manager (results all read by ``sync()`` inside), or ``open()`` it, send,
+    ``send_sync()`` and leave it in flight: the server works through the batch while the caller
+    prepares the next one, and ``finish()`` reads the outcome later (``abandon()`` on failure)."""
+
     def __init__(self, pgconn: pq.abc.PGconn) -> None:
         self.pgconn = pgconn
         self._queued: deque[_Queued | None] = deque()   # None marks a sync point
+        self._copy: _Queued | None = None  # a COPY sent whose result is not read yet
         self._error: PipelineError | None = None
         self._mismatch: str | None = None
         self.round_trips = 0
 
-    def __enter__(self) -> Pipeline:
+    def open(self) -> Pipeline:
         self.pgconn.enter_pipeline_mode()
         self.pgconn.nonblocking = 1
         return self
 
+    def __enter__(self) -> Pipeline:
+        return self.open()
+
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._leave(failing=exc_type is not None)
+
+    def finish(self) -> None:
+        """Read every outstanding result, leave pipeline mode, and raise as ``sync`` does."""
+        try:
+            self._end_copy()
+            if self._queued:
+                self._read(block=True, until_empty=True)
+                self.round_trips += 1
+        except BaseException:
+            self._leave(failing=True)
+            raise
+        self._leave(failing=False)
+        self._raise_outcome()
+
+    def abandon(self) -> None:
+        """Leave pipeline mode after a failure, reading (and dropping) what is outstanding."""
+        self._leave(failing=True)
+
+    def _leave(self, *, failing: bool) -> None:
         # Leave pipeline mode whatever happened, so the session can run its ROLLBACK; if that is
         # impossible the connection is unusable, which the next statement reports as transient.
         try:
+            if self._copy is not None:
+                try:
+                    self._end_copy()
+                except (PipelineError, RowCountMismatch):
+                    if not failing:
+                        raise
             if self.pgconn.status == pq.ConnStatus.OK and self.pgconn.pipeline_status != pq.PipelineStatus.OFF:
                 if self._queued:
                     if self._queued[-1] is not None:
@@ -78,20 +113,23 @@ class Pipeline:
                     self._read(block=True, until_empty=True)
                 self.pgconn.exit_pipeline_mode()
         except Exception:
-            if exc_type is None:
+            if not failing:
                 raise
         finally:
             self._queued.clear()
+            self._copy = None
             self.pgconn.nonblocking = 0
 
     # -- sending ----------------------------------------------------------------------------------
     def prepare(self, name: bytes, sql: str) -> None:
+        self._end_copy()
         self.pgconn.send_prepare(name, sql.encode())
         self._queued.append(_Queued(f"preparing {_abbreviate(sql)}", None))
         self._flush()
 
     def send_prepared(self, name: bytes, sql: str, values: Sequence[bytes | None],
                       formats: Sequence[int], expected_rows: int | None = None) -> None:
+        self._end_copy()
         self.pgconn.send_query_prepared(name, values, formats)
         self._queued.append(_Queued(_abbreviate(sql), expected_rows))
         self._flush()
@@ -99,6 +137,7 @@ class Pipeline:
     def send(self, sql: str, values: Sequence[bytes | None] | None = None,
              expected_rows: int | None = None,
              on_value: Callable[[bytes | None], None] | None = None) -> None:
+        self._end_copy()
         self.pgconn.send_query_params(sql.encode(), values or None)
         self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
         self._flush()
@@ -106,7 +145,10 @@ class Pipeline:
     def copy(self, sql: str, data: bytes, expected_rows: int | None) -> None:
         """``COPY ... FROM STDIN`` with ``data``. libpq runs no COPY in pipeline mode: what is
         queued is synced first (its errors and counts raised as by ``sync``), then the COPY runs
-        on its own and pipeline mode is entered again."""
+        on its own. Its result is read (and pipeline mode entered again) only when the next
+        statement is sent, or at ``sync``/``finish``: until then the server loads the rows while
+        the caller goes on."""
+        self._end_copy()
         if self._queued:
             self.sync()
         pgconn = self.pgconn
@@ -116,9 +158,29 @@ class Pipeline:
         try:
             result = pgconn.exec_(sql.encode())
             if result.status == pq.ExecStatus.COPY_IN:
-                if pgconn.put_copy_data(data) != 1 or pgconn.put_copy_end() != 1:
-                    self._check_connection()
-                result = pgconn.get_result()
+                if pgconn.put_copy_data(data) == 1 and pgconn.put_copy_end() == 1:
+                    self._copy = queued  # in flight
+                    return
+                self._check_connection()
+            self._copy = queued  # the result (an error) is read as the COPY's own
+            self._take(result, queued)
+            self._end_copy()
+        except BaseException:
+            self._copy = None
+            if pgconn.status == pq.ConnStatus.OK:
+                pgconn.nonblocking = 1
+                pgconn.enter_pipeline_mode()
+            raise
+
+    def _end_copy(self) -> None:
+        """Read the result of the COPY in flight, if any, and enter pipeline mode again."""
+        queued = self._copy
+        if queued is None:
+            return
+        self._copy = None
+        pgconn = self.pgconn
+        try:
+            result = pgconn.get_result()
             while result is not None:
                 self._take(result, queued)
                 result = pgconn.get_result()
@@ -132,12 +194,22 @@ class Pipeline:
 
     def sync(self) -> None:
         """End the batch and read every result; raise the first error, else any row-count mismatch."""
+        self._end_copy()
         self.pgconn.pipeline_sync()
         self._queued.append(None)
         self._flush()
         self._read(block=True, until_empty=True)
         self.round_trips += 1
         self._raise_outcome()
+
+    def send_sync(self) -> None:
+        """End the batch without reading its results (``finish`` reads them). A COPY in flight
+        with nothing after it is left as it is: its result is the outstanding one."""
+        if self._copy is not None:
+            return
+        self.pgconn.pipeline_sync()
+        self._queued.append(None)
+        self._flush()
 
     def _raise_outcome(self) -> None:
         error, mismatch = self._error, self._mismatch

@@ -9,7 +9,7 @@ can hijack a statement.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import psycopg
 from psycopg import pq
@@ -42,6 +42,9 @@ class TargetSession:
                               transient=not is_permanent(exc)) from exc
         self.pgconn = self.conn.pgconn
         self._prepared: set[bytes] = set()
+        #: Set while statements sent in a pipeline have results not read yet: called before any
+        #: other statement, which could not be sent before those results are read.
+        self.pending: Callable[[], None] | None = None
         try:
             self.sql("SET session_replication_role = replica")
         except TargetError as exc:
@@ -77,6 +80,8 @@ class TargetSession:
 
     def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
         """Run one statement with text parameters (bookkeeping, transaction control)."""
+        if self.pending is not None:
+            self.pending()
         try:
             result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
         except psycopg.Error as exc:  # libpq refused to send: the connection is not usable
@@ -86,6 +91,8 @@ class TargetSession:
     def execute(self, sql: str, values: Sequence[bytes | None] = (),
                 formats: Sequence[int] | None = None, binary_result: bool = False) -> pq.abc.PGresult:
         """Run one unnamed statement with per-parameter formats (bookkeeping with bytea values)."""
+        if self.pending is not None:
+            self.pending()
         result = self.pgconn.exec_params(sql.encode(), list(values), None, formats,
                                          1 if binary_result else 0)
         return self._check(result, sql.split(None, 1)[0])
@@ -93,6 +100,8 @@ class TargetSession:
     def run(self, statement: Statement, values: Sequence[bytes | None],
             formats: Sequence[int]) -> pq.abc.PGresult:
         """Execute a cached statement, preparing it on first use in this session."""
+        if self.pending is not None:
+            self.pending()
         try:
             if statement.name not in self._prepared:
                 self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),

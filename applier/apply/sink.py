@@ -134,6 +134,7 @@ class TargetApplier:
         self._batch_last: TransactionEnd | None = None
         self._batch_started = 0.0
         self._batch_statements: dict[tuple, bytes] = {}
+        self._in_flight: Pipeline | None = None  # rows sent, results not read yet (_settle)
         self._batch_names = itertools.count(1)  # never reused: dropped shapes stay prepared
         self._fast = False                # the current source transaction uses the fast path
         self._current: TransactionStart | None = None
@@ -290,6 +291,7 @@ class TargetApplier:
         asynchronous = self.track_target_lsn and not durable
         target_lsn: list[LSN] = []
         try:
+            self._settle()
             with Pipeline(self.session.pgconn) as pipeline:
                 self._emit(pipeline)
                 if last is not None:
@@ -322,15 +324,36 @@ class TargetApplier:
         self._pending_counts.clear()
 
     def _send_batch(self) -> None:
-        """Send the rows recorded so far without committing (bounds memory in large transactions)."""
+        """Send the rows recorded so far without committing (bounds memory in large transactions).
+
+        Their results are not waited for: the target works through them while the next rows
+        are decoded and recorded, and ``_settle`` reads them before the session is used again
+        (the next send, the commit, or any other statement: the session calls it)."""
+        self._settle()
+        pipeline = Pipeline(self.session.pgconn).open()
         try:
-            with Pipeline(self.session.pgconn) as pipeline:
-                self._emit(pipeline)
-                pipeline.sync()
+            self._emit(pipeline)
+            pipeline.send_sync()
         except (RowCountMismatch, PipelineError) as exc:
+            pipeline.abandon()
             raise self._fast_path_failed(exc, self._batch_last) from exc
         finally:
             self._batch.clear()
+        self._in_flight = pipeline
+        self.session.pending = self._settle
+
+    def _settle(self) -> None:
+        """Read the outcome of the rows sent by ``_send_batch``; a failure or a row count other
+        than expected sends the stretch to the careful path, like a failure at commit."""
+        pipeline = self._in_flight
+        if pipeline is None:
+            return
+        self._in_flight = None
+        self.session.pending = None
+        try:
+            pipeline.finish()
+        except (RowCountMismatch, PipelineError) as exc:
+            raise self._fast_path_failed(exc, self._batch_last) from exc
 
     def _emit(self, pipeline: Pipeline) -> None:
         for statement in self._batch.statements():
@@ -374,6 +397,10 @@ class TargetApplier:
 
     def abort_open_transaction(self) -> None:
         """Roll back a transaction left open by an error, a lost source or a stop signal."""
+        if self._in_flight is not None:
+            self._in_flight.abandon()  # whatever it did is rolled back below
+            self._in_flight = None
+            self.session.pending = None
         self._current = None
         self._divert = None
         self._batch.clear()

@@ -165,3 +165,29 @@ def test_no_conflicts_from_the_workers_own_rows(source_db, target_db) -> None:
     run_worker(source_db, target_db, "--conflict-policy", "error")
     assert _logged(target_db) == []
     assert target_db.query("SELECT count(*), sum(n) FROM c") == [(50, 52)]
+
+
+@pytest.mark.parametrize("kind", ["insert_exists", "update_missing"])
+def test_conflict_in_rows_sent_ahead_of_a_large_transactions_commit(source_db, target_db,
+                                                                    kind: str) -> None:
+    """A transaction larger than --batch-rows is sent in parts whose outcome is read only while
+    the next part is prepared (a COPY of inserts, multi-row updates). A conflict in an early part
+    is still found, the whole transaction redone row by row, the conflict resolved and logged."""
+    source_db.execute(TABLE)
+    target_db.execute(TABLE)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE c")
+    create_slot(source_db)
+    if kind == "update_missing":
+        source_db.execute("INSERT INTO c SELECT g, 'original', 0 FROM generate_series(1, 3000) g")
+        run_worker(source_db, target_db)
+        target_db.execute("DELETE FROM c WHERE id = 7")
+        source_db.execute("UPDATE c SET v = 'remote', n = n + 1")
+    else:
+        target_db.execute("INSERT INTO c VALUES (7, 'local', 0)")
+        source_db.execute("INSERT INTO c SELECT g, 'remote', 1 FROM generate_series(1, 3000) g")
+    proc = run_worker(source_db, target_db, "--conflict-policy", "apply", "--batch-rows", "500")
+    assert "row by row" in proc.stderr  # the fast path met the conflict and handed it over
+    rows = target_db.query("SELECT count(*), count(*) FILTER (WHERE v = 'remote' AND n = 1) FROM c")
+    assert rows == [(3000, 3000)] if kind == "insert_exists" else [(2999, 2999)]
+    assert [row[:2] for row in _logged(target_db)] == [
+        (kind, "applied" if kind == "insert_exists" else "skipped")]

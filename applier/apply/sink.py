@@ -62,6 +62,10 @@ PROGRESS_SQL = (
 )
 
 
+#: A batch is sent in this many parts ahead of its commit (``_bound_batch``).
+PARTS_PER_BATCH = 4
+
+
 class ApplyError(Exception):
     """Applying a transaction failed; nothing of it (or after it) is committed on the target.
 
@@ -135,6 +139,7 @@ class TargetApplier:
         self._batch_started = 0.0
         self._batch_statements: dict[tuple, bytes] = {}
         self._in_flight: Pipeline | None = None  # rows sent, results not read yet (_settle)
+        self._sent_rows = 0               # rows of the open target transaction sent ahead
         self._batch_names = itertools.count(1)  # never reused: dropped shapes stay prepared
         self._fast = False                # the current source transaction uses the fast path
         self._current: TransactionStart | None = None
@@ -248,7 +253,7 @@ class TargetApplier:
             self._batch_last = txn
             limits = self.limits
             assert limits is not None
-            if (self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes
+            if (self._sent_rows + self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes
                     or time.monotonic() - self._batch_started >= limits.seconds):
                 self.flush()
             return
@@ -311,6 +316,7 @@ class TargetApplier:
             self._batch.clear()
             self._batch_open = False
             self._batch_last = None
+            self._sent_rows = 0
         self._count_committed()
         if last is not None:
             self.applied = AppliedPosition(last.commit_lsn, last.end_lsn)
@@ -330,6 +336,7 @@ class TargetApplier:
         are decoded and recorded, and ``_settle`` reads them before the session is used again
         (the next send, the commit, or any other statement: the session calls it)."""
         self._settle()
+        self._sent_rows += self._batch.rows
         pipeline = Pipeline(self.session.pgconn).open()
         try:
             self._emit(pipeline)
@@ -406,6 +413,7 @@ class TargetApplier:
         self._batch.clear()
         self._batch_open = False
         self._batch_last = None
+        self._sent_rows = 0
         self._pending_counts.clear()
         if self.session.in_transaction:
             self.session.sql("ROLLBACK")
@@ -566,9 +574,11 @@ class TargetApplier:
             self._pending_counts["truncate"] += 1
 
     def _bound_batch(self) -> None:
+        # Parts of a quarter of the batch go ahead of the commit: the target works on one while
+        # the next is decoded (see _send_batch), and the commit waits for the last part only.
         limits = self.limits
         assert limits is not None
-        if self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes:
+        if self._batch.rows * PARTS_PER_BATCH >= limits.rows or self._batch.bytes >= limits.bytes:
             self._send_batch()
 
     def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message

@@ -33,7 +33,7 @@ static PyObject *Unchanged;                    /* messages.UNCHANGED_TOAST */
 static PyObject *LsnType;                      /* lsn.LSN, an int subclass */
 static PyObject *Epoch;                        /* lsn.PG_EPOCH: wire timestamps count from it */
 static PyObject *FallbackInsert, *FallbackUpdate, *FallbackDelete, *FallbackBegin,
-    *FallbackCommit;
+    *FallbackCommit, *FallbackDecode;
 static PyObject *KindK, *KindO;                /* 'K' and 'O', as chr() gives them */
 
 /* Outcome of a parse step: done, malformed (let Python raise), or a Python error is set. */
@@ -436,6 +436,45 @@ decode_commit(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return build(&CommitCls, fields, 4);
 }
 
+/* decode(data, in_stream=False): the hot types in C, everything else (other types, other
+ * argument forms, input other than bytes) through the pure-Python decode_pure. */
+static PyObject *
+decode(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *argv[2];
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+
+    if (FallbackDecode == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "_speedups.init() has not been called");
+        return NULL;
+    }
+    if (nargs == 2 && nkw == 0) {
+        argv[0] = args[0];
+        argv[1] = args[1];
+    }
+    else if (nargs == 1 && nkw == 0) {
+        argv[0] = args[0];
+        argv[1] = Py_False;
+    }
+    else if (nargs == 1 && nkw == 1 &&
+             PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "in_stream") == 0) {
+        argv[0] = args[0];
+        argv[1] = args[1];
+    }
+    else
+        return PyObject_Vectorcall(FallbackDecode, args, nargs, kwnames);
+    if (PyBytes_CheckExact(argv[0]) && PyBytes_GET_SIZE(argv[0]) > 0) {
+        switch (PyBytes_AS_STRING(argv[0])[0]) {
+        case 'B': return decode_begin(module, argv, 2);
+        case 'C': return decode_commit(module, argv, 2);
+        case 'I': return decode_insert(module, argv, 2);
+        case 'U': return decode_update(module, argv, 2);
+        case 'D': return decode_delete(module, argv, 2);
+        }
+    }
+    return PyObject_Vectorcall(FallbackDecode, argv, 2, NULL);
+}
+
 /* Resolve cls's slot offsets for names, refusing anything but a plain object slot. */
 static int
 bind_class(SlotClass *cls, PyObject *type, const char *const *names, int count)
@@ -476,15 +515,15 @@ init(PyObject *module, PyObject *args)
     static const char *const begin_fields[] = {"final_lsn", "commit_time", "xid"};
     static const char *const commit_fields[] = {"flags", "commit_lsn", "end_lsn", "commit_time"};
     PyObject *tuple_data, *insert, *update, *delete, *begin, *commit, *lsn, *epoch, *unchanged,
-        *fb_insert, *fb_update, *fb_delete, *fb_begin, *fb_commit;
+        *fb_insert, *fb_update, *fb_delete, *fb_begin, *fb_commit, *fb_decode;
 
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOO:init", &tuple_data, &insert, &update, &delete,
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOOOOOO:init", &tuple_data, &insert, &update, &delete,
                           &begin, &commit, &lsn, &epoch, &unchanged, &fb_insert, &fb_update,
-                          &fb_delete, &fb_begin, &fb_commit))
+                          &fb_delete, &fb_begin, &fb_commit, &fb_decode))
         return NULL;
     if (!PyCallable_Check(fb_insert) || !PyCallable_Check(fb_update) ||
         !PyCallable_Check(fb_delete) || !PyCallable_Check(fb_begin) ||
-        !PyCallable_Check(fb_commit) || !PyCallable_Check(lsn)) {
+        !PyCallable_Check(fb_commit) || !PyCallable_Check(fb_decode) || !PyCallable_Check(lsn)) {
         PyErr_SetString(PyExc_TypeError, "init() expects callable fallbacks and LSN type");
         return NULL;
     }
@@ -507,6 +546,7 @@ init(PyObject *module, PyObject *args)
     Py_XSETREF(FallbackDelete, Py_NewRef(fb_delete));
     Py_XSETREF(FallbackBegin, Py_NewRef(fb_begin));
     Py_XSETREF(FallbackCommit, Py_NewRef(fb_commit));
+    Py_XSETREF(FallbackDecode, Py_NewRef(fb_decode));
     Py_RETURN_NONE;
 }
 
@@ -605,9 +645,13 @@ copy_text(PyObject *module, PyObject *rows)
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
      "init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST, "
-     "insert_fallback, update_fallback, delete_fallback, begin_fallback, commit_fallback)"
+     "insert_fallback, update_fallback, delete_fallback, begin_fallback, commit_fallback, "
+     "decode_fallback)"
      "\n--\n\nBind the message classes and the pure-Python decoders used for malformed input. "
      "Call once before decoding."},
+    {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL | METH_KEYWORDS,
+     "decode(data, in_stream=False)\n--\n\nDecode one pgoutput message: Begin, Commit, Insert, "
+     "Update and Delete here, anything else by decode_fallback (see decoder.decode_pure)."},
     {"decode_begin", (PyCFunction)(void (*)(void))decode_begin, METH_FASTCALL,
      "decode_begin(buf, in_stream)\n--\n\nDecode a Begin message (type byte 'B')."},
     {"decode_commit", (PyCFunction)(void (*)(void))decode_commit, METH_FASTCALL,

@@ -56,8 +56,8 @@ _N, _K, _O = ord("N"), ord("K"), ord("O")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
 
 
-def decode(data: bytes | bytearray | memoryview, in_stream: bool = False) -> ReplicationMessage:
-    """Decode one pgoutput message.
+def decode_pure(data: bytes | bytearray | memoryview, in_stream: bool = False) -> ReplicationMessage:
+    """Decode one pgoutput message, in pure Python (the reference ``decode`` is held to).
 
     ``data`` is the payload of one XLogData record (or one row of
     ``pg_logical_slot_peek_binary_changes``). ``in_stream`` must be true between Stream Start and
@@ -66,15 +66,6 @@ def decode(data: bytes | bytearray | memoryview, in_stream: bool = False) -> Rep
     Raises ``DecodeError`` for anything malformed: empty or truncated input, an unknown type
     byte, a bad tuple kind, a length past the end, or trailing bytes.
     """
-    buf = data if type(data) is bytes else bytes(data)
-    handler = _HANDLERS.get(buf[0]) if buf else None
-    if handler is None:
-        raise _unknown(buf)
-    return handler(buf, in_stream)
-
-
-def decode_pure(data: bytes | bytearray | memoryview, in_stream: bool = False) -> ReplicationMessage:
-    """``decode`` without the C accelerator: the reference the accelerator is tested against."""
     buf = data if type(data) is bytes else bytes(data)
     handler = _PURE_HANDLERS.get(buf[0]) if buf else None
     if handler is None:
@@ -400,8 +391,10 @@ _PURE_HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = 
 }
 
 
-def _accelerated_handlers() -> dict[int, Callable[[bytes, bool], ReplicationMessage]] | None:
-    """The handler table with B/C/I/U/D in C, or None when the accelerator is absent or disabled."""
+def _accelerated() -> Callable[..., ReplicationMessage] | None:
+    """The C accelerator's ``decode``, or None when it is absent or disabled. It dispatches in C:
+    Begin, Commit, Insert, Update and Delete are decoded there, every other type (and anything
+    malformed) by the pure functions here, which it is given."""
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
         return None
     try:
@@ -411,12 +404,12 @@ def _accelerated_handlers() -> dict[int, Callable[[bytes, bool], ReplicationMess
     # The C side gets the classes and the pure decoders rather than importing them itself, so it
     # cannot drift from messages.py; on malformed input it calls the fallbacks for the error.
     _speedups.init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST,
-                   _insert, _update, _delete, _begin, _commit)
-    return {**_PURE_HANDLERS, ord("I"): _speedups.decode_insert, ord("U"): _speedups.decode_update,
-            ord("D"): _speedups.decode_delete, ord("B"): _speedups.decode_begin,
-            ord("C"): _speedups.decode_commit}
+                   _insert, _update, _delete, _begin, _commit, decode_pure)
+    return _speedups.decode  # type: ignore[no-any-return]
 
 
-_HANDLERS: Final = _accelerated_handlers() or _PURE_HANDLERS
+#: ``decode(data, in_stream=False)``: ``decode_pure``'s contract, through the C accelerator
+#: when it is built (``ACCELERATED``).
+decode: Callable[..., ReplicationMessage] = _accelerated() or decode_pure
 #: Whether ``decode`` runs Begin/Commit/Insert/Update/Delete through the C accelerator.
-ACCELERATED: Final[bool] = _HANDLERS is not _PURE_HANDLERS
+ACCELERATED: Final[bool] = decode is not decode_pure

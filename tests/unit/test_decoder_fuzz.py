@@ -126,3 +126,17 @@ def test_c_path_takes_only_bytes_and_falls_back_for_others() -> None:
     assert _speedups.decode_insert(bytearray(data), 0) == decode_pure(data)
     with pytest.raises(TypeError):
         _speedups.decode_insert(data)
+
+
+@pytest.mark.skipif(not ACCELERATED, reason="C accelerator not built (or APPLIER_PURE_PYTHON=1)")
+def test_c_dispatch_takes_every_argument_form_and_hands_the_rest_to_python() -> None:
+    data = pg.insert(1, [b"a"], xid=7)
+    assert decode(data, True) == decode(data, in_stream=True) == decode_pure(data, True)
+    assert decode(bytearray(data), True) == decode_pure(data, True)          # not bytes: Python
+    assert decode(pg.begin(1, 0, 2)) == decode_pure(pg.begin(1, 0, 2))       # in_stream defaults
+    assert decode(pg.origin(5, "o")) == decode_pure(pg.origin(5, "o"))       # not a C type
+    assert outcome(decode, b"", False) == outcome(decode_pure, b"", False)   # empty
+    with pytest.raises(TypeError):
+        decode(data, in_stream=True, extra=1)
+    with pytest.raises(TypeError):
+        decode()

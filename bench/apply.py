@@ -11,13 +11,14 @@ limits: the source's (decoding the same backlog from a third slot with
 ``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). The
 applier package is byte-compiled first, as an installed wheel is.
 
-    .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...]
+    .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import compileall
+import statistics
 import os
 import subprocess
 import sys
@@ -257,6 +258,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every workload's size (1.0 = the sizes in the issue)")
     parser.add_argument("--only", default="", help="comma-separated workload name prefixes")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each workload this many times (fresh databases each time) and "
+                             "report the median of every figure: one run on a shared machine varies")
     args = parser.parse_args(argv)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
@@ -268,16 +272,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
     rows = []
     try:
-        for index, workload in enumerate(chosen):
+        index = 0
+        for workload in chosen:
             print(f"{workload.name}: {workload.rows:,} row changes in {workload.transactions:,} transactions",
                   flush=True)
-            rows.append((workload, *run_workload(workload, source_server, target_server, index,
-                                                 args.pg_version)))
+            runs = []
+            for _ in range(args.repeat):
+                runs.append(run_workload(workload, source_server, target_server, index, args.pg_version))
+                index += 1
+            rows.append((workload, *_medians(runs)))
     finally:
         source_server.cleanup()
         target_server.cleanup()
+    runs_note = f" (median of {args.repeat} runs)" if args.repeat > 1 else ""
     print(f"\n{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
-          f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}")
+          f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}{runs_note}")
     ok = True
     for workload, mine, theirs, alone, ceiling in rows:
         for name, result in (("applier", mine), ("native", theirs)):
@@ -294,6 +303,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{'':<26} {'COPY':<10} {seconds:>8.2f} {copied / seconds if seconds else 0:>10,.0f}"
               f"   (target's physical ceiling: binary COPY of the {copied:,} final rows)")
     return 0 if ok else 1
+
+
+def _medians(runs: list[tuple[Result, Result, float, tuple[float, int]]]
+             ) -> tuple[Result, Result, float, tuple[float, int]]:
+    """Each figure's median over the runs; a contender is equal only if it was equal every time.
+    Peak memory is the largest seen."""
+    mine = Result(statistics.median(r[0].seconds for r in runs),
+                  peak_mb=max(r[0].peak_mb or 0 for r in runs), equal=all(r[0].equal for r in runs))
+    theirs = Result(statistics.median(r[1].seconds for r in runs), equal=all(r[1].equal for r in runs))
+    return (mine, theirs, statistics.median(r[2] for r in runs),
+            (statistics.median(r[3][0] for r in runs), runs[0][3][1]))
 
 
 if __name__ == "__main__":

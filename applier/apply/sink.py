@@ -62,8 +62,10 @@ PROGRESS_SQL = (
 )
 
 
-#: A batch is sent in this many parts ahead of its commit (``_bound_batch``).
-PARTS_PER_BATCH = 4
+#: Rows of a batch are sent ahead of its commit in parts of this many (``_bound_batch``): the
+#: target applies one part while the next is decoded, and the commit waits for the last part
+#: only. Small enough that the last part is a short wait, large enough for long runs per table.
+PART_ROWS = 2000
 
 
 class ApplyError(Exception):
@@ -574,12 +576,11 @@ class TargetApplier:
             self._pending_counts["truncate"] += 1
 
     def _bound_batch(self) -> None:
-        # Parts of a quarter of the batch go ahead of the commit: the target works on one while
-        # the next is decoded (see _send_batch), and the commit waits for the last part only.
         limits = self.limits
         assert limits is not None
-        if self._batch.rows * PARTS_PER_BATCH >= limits.rows or self._batch.bytes >= limits.bytes:
-            self._send_batch()
+        rows = self._batch.rows
+        if rows >= PART_ROWS or rows >= limits.rows or self._batch.bytes >= limits.bytes:
+            self._send_batch()  # a part ahead of the commit (PART_ROWS)
 
     def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message
                      ) -> Insert | Update | Delete | Truncate | Message | None:

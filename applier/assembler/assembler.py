@@ -14,7 +14,6 @@ must ``close()`` and restart replication from the server, which resends the tran
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,6 @@ __all__ = ["Assembler"]
 
 #: How many replayed changes of a streamed transaction pass between two heartbeat calls.
 HEARTBEAT_EVERY = 1024
-
-
-@dataclass(slots=True)  # not frozen: one per transaction, and frozen ones are slower to make
-class _PlainTransaction:
-    """The non-streamed transaction being passed through (between Begin/BeginPrepare and its end)."""
-
-    xid: int
-    lsn: LSN  # Begin.final_lsn or BeginPrepare.prepare_lsn: the end message must repeat it
-    two_phase: bool
 
 
 class Assembler:
@@ -61,7 +51,9 @@ class Assembler:
         # from their first segment because their commit was never confirmed.
         for stale in spill_dir.glob(SPILL_GLOB):
             stale.unlink(missing_ok=True)
-        self._plain: _PlainTransaction | None = None
+        # The non-streamed transaction being passed through (between Begin or Begin Prepare and
+        # its end, which must repeat its commit_lsn: Begin's final LSN, Begin Prepare's LSN).
+        self._plain: TransactionStart | None = None
         self._block: StreamBuffer | None = None  # the xid between Stream Start and Stream Stop
         self._streams: dict[int, StreamBuffer] = {}  # every open streamed xid, in start order
         self._memory_bytes = 0
@@ -193,25 +185,25 @@ class Assembler:
     def _begin(self, msg: Begin, raw: bytes) -> None:
         if self._plain is not None or self._block is not None:  # the description only for errors
             self._require_idle(f"begin of xid {msg.xid} (final LSN {msg.final_lsn})")
-        self._plain = _PlainTransaction(msg.xid, msg.final_lsn, two_phase=False)
-        self._sink.begin(TransactionStart(msg.xid, msg.final_lsn, msg.commit_time, streamed=False,
-                                          gid=None, end_lsn=None))
+        plain = self._plain = TransactionStart(msg.xid, msg.final_lsn, msg.commit_time,
+                                               streamed=False, gid=None, end_lsn=None)
+        self._sink.begin(plain)
 
     def _begin_prepare(self, msg: BeginPrepare, raw: bytes) -> None:
         self._require_idle(f"begin_prepare of xid {msg.xid} (prepare LSN {msg.prepare_lsn})")
-        self._plain = _PlainTransaction(msg.xid, msg.prepare_lsn, two_phase=True)
-        self._sink.begin(TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time,
-                                          streamed=False, gid=msg.gid, end_lsn=msg.end_lsn))
+        plain = self._plain = TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time,
+                                               streamed=False, gid=msg.gid, end_lsn=msg.end_lsn)
+        self._sink.begin(plain)
 
     def _commit(self, msg: Commit, raw: bytes) -> None:
         plain = self._plain
-        if plain is None or plain.two_phase:
+        if plain is None or plain.gid is not None:
             raise ProtocolSequenceError(f"commit at commit LSN {msg.commit_lsn} without begin" + (
                 f" (xid {plain.xid} began with begin_prepare)" if plain is not None else ""))
-        if msg.commit_lsn != plain.lsn:
+        if msg.commit_lsn != plain.commit_lsn:
             raise ProtocolSequenceError(
-                f"commit at commit LSN {msg.commit_lsn} does not match the final LSN {plain.lsn} "
-                f"of its begin (xid {plain.xid})")
+                f"commit at commit LSN {msg.commit_lsn} does not match the final LSN "
+                f"{plain.commit_lsn} of its begin (xid {plain.xid})")
         self._plain = None
         self._sink.commit(TransactionEnd(plain.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
                                          streamed=False, gid=None))
@@ -219,12 +211,12 @@ class Assembler:
     def _prepare(self, msg: Prepare, raw: bytes) -> None:
         plain = self._plain
         where = f"prepare of xid {msg.xid} at prepare LSN {msg.prepare_lsn}"
-        if plain is None or not plain.two_phase:
+        if plain is None or plain.gid is None:
             raise ProtocolSequenceError(f"{where} without begin_prepare" + (
                 f" (xid {plain.xid} began with begin)" if plain is not None else ""))
-        if msg.xid != plain.xid or msg.prepare_lsn != plain.lsn:
+        if msg.xid != plain.xid or msg.prepare_lsn != plain.commit_lsn:
             raise ProtocolSequenceError(
-                f"{where} does not match its begin_prepare (xid {plain.xid}, LSN {plain.lsn})")
+                f"{where} does not match its begin_prepare (xid {plain.xid}, LSN {plain.commit_lsn})")
         self._plain = None
         self._sink.prepare(TransactionEnd(msg.xid, msg.prepare_lsn, msg.end_lsn, msg.prepare_time,
                                           streamed=False, gid=msg.gid))
@@ -344,4 +336,4 @@ class Assembler:
                 f"{what} inside the stream block of xid {self._block.xid} (no stream_stop yet)")
         if self._plain is not None:
             raise ProtocolSequenceError(
-                f"{what} inside transaction xid {self._plain.xid} (LSN {self._plain.lsn})")
+                f"{what} inside transaction xid {self._plain.xid} (LSN {self._plain.commit_lsn})")

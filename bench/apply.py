@@ -244,6 +244,12 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     ceiling = copy_ceiling(source, ours, workload.tables)
     for db in (source, ours, native):
         db.cluster.drop_database(db.name)
+    # Replication origins belong to the cluster, not the database: our worker's would outlive
+    # it and, a run at a time, use up max_active_replication_origins (DROP SUBSCRIPTION drops
+    # the native one).
+    with psycopg.connect(target_server.dsn(), autocommit=True) as conn:
+        conn.execute("SELECT pg_replication_origin_drop(roname) FROM pg_replication_origin "
+                     "WHERE roname LIKE 'applier%'")
     return mine, theirs, alone, ceiling
 
 

@@ -3,13 +3,15 @@ a REPLICATION role on the source, a DML-only role plus the bookkeeping schema on
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from replication import assert_same_rows, run_worker
+from replication import REPO, assert_same_rows, run_worker
 
 pytestmark = pytest.mark.server
 
@@ -82,3 +84,34 @@ def test_missing_replica_grant_is_named(source_db, target_db, roles) -> None:
                       expect_rc=1)
     assert "Traceback" not in proc.stderr
     assert (f'GRANT SET ON PARAMETER session_replication_role TO "{writer}"' in proc.stderr), proc.stderr
+
+
+def test_sync_with_least_privilege_roles_keeps_indexes_it_does_not_own(source_db, target_db,
+                                                                       roles) -> None:
+    """applier sync as the DML-only target role: tables it does not own keep their indexes
+    through the copy (dropping them needs ownership), and the copy and the stream still match."""
+    replicator, writer = roles
+    source_db.execute(SCHEMA)
+    target_db.execute(SCHEMA)
+    source_db.execute("INSERT INTO t SELECT g, 'v' || g FROM generate_series(1, 3000) g")
+    source_db.execute("INSERT INTO u SELECT g % 7, 'b' || g FROM generate_series(1, 500) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t, u")
+    source_db.execute(f'GRANT SELECT ON t, u TO "{replicator}"')
+    target_db.execute(f'CREATE SCHEMA applier AUTHORIZATION "{writer}"')
+    target_db.execute(f'GRANT SELECT, INSERT, UPDATE, DELETE, TRUNCATE ON t, u TO "{writer}"')
+    target_db.execute(f'GRANT SET ON PARAMETER session_replication_role TO "{writer}"')
+    index_oid = "SELECT indexrelid FROM pg_index WHERE indrelid = 't'::regclass"
+    before = target_db.query(index_oid)
+
+    source, target = RoleDb(source_db, replicator), RoleDb(target_db, writer)
+    proc = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source.dsn,
+                           "--target", target.dsn, "--slot", "s", "--publication", "pub",
+                           "--exit-when-caught-up"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert target_db.query(index_oid) == before  # the same index, never dropped and rebuilt
+    assert_same_rows(source_db, target_db, "t", "u")
+    source_db.execute("UPDATE t SET v = 'changed' WHERE id <= 10")
+    source_db.execute("DELETE FROM u WHERE a = 3")
+    run_worker(source, target)
+    assert_same_rows(source_db, target_db, "t", "u")

@@ -25,16 +25,25 @@ commit order. Data flows one way through five stages, each in its own package:
   its columns by name, and executes cached, prepared statements whose parameters are the bytes
   received, in the format they arrived in, cast by the target column's type. The target session
   runs as a replica (``session_replication_role = replica``) with an empty ``search_path``.
-* ``progress``: the last statement of every target transaction records the source commit LSN,
-  end LSN and commit time for this slot, in that same transaction.
+  On the fast path (``apply/batch.py``) consecutive plain source transactions share one target
+  transaction: their row changes are folded (repeated updates of a row become one), gathered per
+  table and sent as multi-row statements or COPY, in parts that go ahead of the commit without
+  waiting for their outcome, each statement checked for the exact number of rows it must
+  change. Anything unexpected rolls the batch back and the stretch is redone on the careful,
+  row-by-row path, where conflicts are detected and resolved one by one.
+* ``progress``: the last statement of every target transaction records the commit LSN, end LSN
+  and commit time of the last source transaction it holds, for this slot, in that same
+  transaction.
 
 Invariants (the tests kill the worker at random points to check them)
 --------------------------------------------------------------------
 1. A source transaction becomes visible on the target whole or not at all, in source commit
-   order: one source transaction is one target transaction.
+   order: it lies within one target transaction (on the fast path, with the source transactions
+   that committed just before and after it).
 2. The progress row commits in the same target transaction as the data it covers.
 3. The flush position told to the slot never passes a commit that is not durable on the target:
-   it advances only after COMMIT returned (``synchronous_commit`` is left at its default, on).
+   it advances after COMMIT returned and, with ``synchronous_commit = off`` (the default), only
+   once the target reports its WAL flushed past that commit's position.
    When no transaction is open or buffered, the position the server last said it had sent
    (keepalive WAL end) is confirmed too, so a slot of idle or filtered tables holds no WAL back.
 4. On start, everything at or below the recorded position is skipped; nothing above it is. The

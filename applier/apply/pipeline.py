@@ -2,11 +2,12 @@
 
 Statements are sent without waiting for their results; ``sync()`` ends the batch and reads every
 result back in order, or ``send_sync()`` ends it and ``finish()`` reads the results later, so the
-server works on one batch while the caller prepares the next. Each queued statement may carry the row count it must affect: the fast
-apply path knows exactly what each statement should do (one row per update, n rows per n-row
-insert), and any difference is reported as ``RowCountMismatch`` after the whole batch was read,
-so the caller can roll back and redo that stretch carefully. Must never decide what to send or
-when to commit: it only moves statements and results.
+server works on one batch while the caller prepares the next. Each queued statement may carry
+the row count it must affect: the fast apply path knows exactly what each statement should do
+(one row per update, n rows per n-row insert), and any difference is reported as
+``RowCountMismatch`` after the whole batch was read, so the caller can roll back and redo that
+stretch carefully. Must never decide what to send or when to commit: it only moves statements
+and results.
 
 Sending and reading interleave (non-blocking socket, flush, consume input) so a long pipeline
 never deadlocks on full socket buffers in both directions.

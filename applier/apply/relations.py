@@ -47,7 +47,7 @@ class TargetTable:
     #: Its rows live in no other table (neither partitioned nor a partition) and no trigger or
     #: rule fires on it in the replica role: within one target transaction its changes may be
     #: written before or after other such tables' changes with the same outcome.
-    independent: bool = False
+    independent: bool
 
     @property
     def sql_name(self) -> str:

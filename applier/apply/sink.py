@@ -255,8 +255,8 @@ class TargetApplier:
             self._batch_last = txn
             limits = self.limits
             assert limits is not None
-            if (self._sent_rows + self._batch.rows >= limits.rows or self._batch.bytes >= limits.bytes
-                    or time.monotonic() - self._batch_started >= limits.seconds):
+            if (self._sent_rows + self._batch.rows >= limits.rows
+                    or self._batch.bytes >= limits.bytes or time.monotonic() - self._batch_started >= limits.seconds):
                 self.flush()
             return
         self.finish(txn.commit_lsn, txn.end_lsn, txn.commit_time)

@@ -216,7 +216,8 @@ class Assembler:
                 f" (xid {plain.xid} began with begin)" if plain is not None else ""))
         if msg.xid != plain.xid or msg.prepare_lsn != plain.commit_lsn:
             raise ProtocolSequenceError(
-                f"{where} does not match its begin_prepare (xid {plain.xid}, LSN {plain.commit_lsn})")
+                f"{where} does not match its begin_prepare (xid {plain.xid}, "
+                f"LSN {plain.commit_lsn})")
         self._plain = None
         self._sink.prepare(TransactionEnd(msg.xid, msg.prepare_lsn, msg.end_lsn, msg.prepare_time,
                                           streamed=False, gid=msg.gid))

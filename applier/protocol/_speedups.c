@@ -1,7 +1,8 @@
 /*
  * C accelerator for the pgoutput hot path: Begin, Commit, Insert, Update and Delete messages
- * (a stream of small transactions is mostly Begin and Commit), and the text COPY rows the apply stage builds from their values (copy_text; applier/apply/copy.py holds
- * the pure-Python reference).
+ * (a stream of small transactions is mostly Begin and Commit), the dispatch between them and
+ * the pure-Python decoder (decode), and the text COPY rows the apply stage builds from their
+ * values (copy_text; applier/apply/copy.py holds the pure-Python reference).
  *
  * Owns nothing but speed. It builds exactly the objects the pure-Python decoder builds
  * (applier/protocol/decoder.py is the reference): the same frozen dataclasses, the same field

@@ -1,8 +1,9 @@
 """The replication connection: START_REPLICATION over CopyBoth, keepalives and feedback.
 
 Owns one ``replication="database"`` psycopg connection. ``read_batch()`` returns XLogData payloads
-(``read()`` one XLogData with its WAL position) and answers keepalives itself; ``confirm()`` takes the flush position from the worker and standby
-status updates report exactly that (never more), at least every ``status_interval`` seconds.
+(``read()`` one XLogData with its WAL position) and answers keepalives itself; ``confirm()``
+takes the flush position from the worker and standby status updates report exactly that (never
+more), at least every ``status_interval`` seconds.
 Must never decode pgoutput (that is the protocol stage) or guess durability.
 """
 

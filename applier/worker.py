@@ -101,6 +101,7 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from .apply.extensions import Extensions, setup_extensions
+from .apply.lane import InsertLane, insert_lane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
@@ -300,7 +301,8 @@ class Worker:
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
             stream.start(applied.end_lsn)
-            self._stream_loop(stream, assembler, applier, control)
+            lane = insert_lane(applier, lambda begin: assembler.feed(decode(begin), begin))
+            self._stream_loop(stream, assembler, applier, lane, control)
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
             if isinstance(exc, ApplyError) and exc.careful_until is not None:
                 self.careful_until = max(self.careful_until, exc.careful_until)
@@ -379,7 +381,7 @@ class Worker:
         return info.two_phase
 
     def _stream_loop(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier,
-                     control: psycopg.Connection) -> None:
+                     lane: InsertLane | None, control: psycopg.Connection) -> None:
         last_flush_check = 0.0
         while not self.stop_requested:
             # While the fast path holds uncommitted work, only take what has already arrived;
@@ -389,8 +391,7 @@ class Worker:
             waiting = self._unflushed or (self.caught_up is not None
                                           and stream.flush_lsn < self.caught_up.goal)
             batch = stream.read_batch(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
-            for payload in batch:
-                assembler.feed(decode(payload, assembler.in_stream), payload)
+            _feed(batch, assembler, lane)
             if not assembler.idle:
                 continue
             if not batch and applier.holds_uncommitted:
@@ -432,6 +433,26 @@ class Worker:
             time.sleep(0.05)
             stream.send_status()
         return False
+
+
+#: First bytes of the payloads the insert lane may take: Begin and Insert.
+_LANE_KINDS = (ord("B"), ord("I"))
+
+
+def _feed(payloads: list[bytes], assembler: Assembler, lane: InsertLane | None) -> None:
+    """Every payload, in order, to the insert lane where it takes them, else to the assembler."""
+    index, count = 0, len(payloads)
+    while index < count:
+        payload = payloads[index]
+        if lane is not None and payload[0] in _LANE_KINDS:
+            between = assembler.between_transactions
+            if between or assembler.in_plain:
+                index = lane.take(payloads, index, between)
+                if index == count:
+                    return
+                payload = payloads[index]
+        assembler.feed(decode(payload, assembler.in_stream), payload)
+        index += 1
 
 
 def _tune_gc() -> None:

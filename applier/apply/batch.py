@@ -7,7 +7,10 @@ Owns turning a sequence of row changes into few statements with a known outcome:
 - an insert followed by updates of the same row becomes one insert of the final row;
 - the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
-  text format, else multi-row INSERTs; runs of deletes by key one
+  text format, else multi-row INSERTs; an independent table may also hold an open *run*: rows
+  already in COPY text (the insert lane, ``lane.py``, writes them straight from the received
+  payloads), sent as one COPY where the run began, so anything that must follow those rows
+  (any other change of that table, a barrier) closes the run first; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
@@ -23,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Protocol
 
 from ..protocol.messages import KIND_BINARY, KIND_UNCHANGED, TupleData
 from .copy import copy_sql, copy_text
@@ -31,7 +35,7 @@ from .statements import NEW, OLD, delete_sql, update_sql
 
 __all__ = ["Batch", "BatchStatement"]
 
-_INSERT, _UPDATE, _DELETE, _SQL = 0, 1, 2, 3
+_INSERT, _UPDATE, _DELETE, _SQL, _COPY = 0, 1, 2, 3, 4
 #: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
@@ -48,6 +52,7 @@ class _Op:
     old: TupleData | None          # update: the old key/row when sent
     shape: tuple                   # what makes two ops share one statement
     sql: str = ""                  # _SQL ops: a statement sent as is (TRUNCATE)
+    run: "Run | None" = None       # _COPY ops: the rows, already COPY text
 
 
 @dataclass(slots=True)
@@ -59,7 +64,7 @@ class BatchStatement:
     values: list[bytes | None]
     formats: list[int]
     expected_rows: int | None
-    copy_data: bytes | None = None  # COPY ... FROM STDIN: its rows in text format
+    copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its rows in text format
 
 
 _ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
@@ -78,6 +83,14 @@ def _present(row: TupleData) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
 
 
+class Run(Protocol):
+    """Rows of one table as COPY text lines (``_speedups.Run``), all with every column."""
+
+    data: bytearray
+    columns: int
+    rows: int
+
+
 class Batch:
     def __init__(self, guard: Callable[[str], str] | None = None) -> None:
         # With update_origin_differs detection: ``guard(xmin)`` is the SQL test that this worker
@@ -88,6 +101,9 @@ class Batch:
         self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
         self._key_getters: dict[int, Callable[[tuple], object]] = {}
         self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
+        #: Open runs by relation id; the insert lane holds this very dict, so it is only ever
+        #: changed in place.
+        self.runs: dict[int, Run] = {}
         self.rows = 0
         self.bytes = 0
 
@@ -97,17 +113,34 @@ class Batch:
     def clear(self) -> None:
         self._ops.clear()
         self._last.clear()
+        self.runs.clear()
         self.rows = self.bytes = 0
 
     def forget(self, relation_id: int) -> None:
         """A relation's definition changed: drop what was derived from the old one."""
         self._key_getters.pop(relation_id, None)
+        self.runs.pop(relation_id, None)
         self._sql = {k: v for k, v in self._sql.items() if k[0][1] != relation_id}
 
     # -- recording ------------------------------------------------------------------------------
     def _count(self, row: TupleData) -> None:
         self.rows += 1
         self.bytes += row.size
+
+    def open_run(self, mapping: RelationMapping, run: Run) -> None:
+        """Start a run for an independent table's inserts here, in the order of changes."""
+        assert mapping.table.independent and run.columns == len(mapping.target_columns)
+        self.runs[mapping.relation.relation_id] = run
+        self._ops.append(_Op(_COPY, mapping, None, None, (_COPY, mapping.relation.relation_id, False),
+                             run=run))
+
+    def _close_runs(self, mapping: RelationMapping) -> None:
+        """A change of ``mapping``'s table other than a run's insert: what follows it must not
+        join a run begun before it (a barrier's change ends every run)."""
+        if mapping.table.independent:
+            self.runs.pop(mapping.relation.relation_id, None)
+        else:
+            self.runs.clear()
 
     def _key(self, mapping: RelationMapping, row: TupleData) -> tuple:
         relation_id = mapping.relation.relation_id
@@ -118,6 +151,13 @@ class Batch:
 
     def insert(self, mapping: RelationMapping, new: TupleData) -> None:
         self._count(new)
+        if self.runs:
+            run = self.runs.get(mapping.relation.relation_id)
+            if run is not None and len(new.kinds) == run.columns and KIND_BINARY not in new.kinds:
+                run.data.extend(copy_text([new.values]))  # type: ignore[list-item]
+                run.rows += 1
+                return
+            self._close_runs(mapping)
         present = _present(new)
         op = _Op(_INSERT, mapping, new, None, (_INSERT, mapping.relation.relation_id, present, True, True))
         if mapping.key_positions and not mapping.full_identity:
@@ -126,6 +166,8 @@ class Batch:
 
     def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
         self._count(new)
+        if self.runs:
+            self._close_runs(mapping)
         assigned = _present(new)
         relation_id = mapping.relation.relation_id
         if mapping.full_identity or not mapping.key_positions or old is not None:
@@ -163,6 +205,8 @@ class Batch:
 
     def delete(self, mapping: RelationMapping, old: TupleData) -> None:
         self._count(old)
+        if self.runs:
+            self._close_runs(mapping)
         relation_id = mapping.relation.relation_id
         if mapping.full_identity:
             self._ops.append(_Op(_DELETE, mapping, old, None,
@@ -175,6 +219,7 @@ class Batch:
     def statement(self, sql: str) -> None:
         """A statement that must run in order and ends all folding (TRUNCATE)."""
         self._last.clear()
+        self.runs.clear()
         self._ops.append(_Op(_SQL, None, None, None, (_SQL, False), sql))
 
     # -- emitting -------------------------------------------------------------------------------
@@ -227,6 +272,12 @@ class Batch:
         if first.kind == _SQL:
             yield BatchStatement(None, first.sql, [], [], None)
             return
+        if first.kind == _COPY:
+            run = first.run
+            assert run is not None and first.mapping is not None
+            if run.rows:
+                yield BatchStatement(None, _copy_sql(first.mapping), [], [], run.rows, run.data)
+            return
         if first.kind == _INSERT and len(run) >= COPY_MIN_ROWS:
             copy = self._copy(run)
             if copy is not None:
@@ -255,8 +306,7 @@ class Batch:
             if KIND_BINARY in row.kinds:
                 return None
             rows.append(row.values)
-        columns = [quote_ident(column.name) for column in mapping.target_columns]
-        return BatchStatement(None, copy_sql(mapping.table.sql_name, columns), [], [], len(rows),
+        return BatchStatement(None, _copy_sql(mapping), [], [], len(rows),
                               copy_text(rows))  # type: ignore[arg-type]
 
     @staticmethod
@@ -300,6 +350,11 @@ class Batch:
             if sql is None:
                 sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
         return BatchStatement(sql_key, sql, values, formats, rows)
+
+
+def _copy_sql(mapping: RelationMapping) -> str:
+    """COPY of every mapped column, in the source's column order (rows carry all of them)."""
+    return copy_sql(mapping.table.sql_name, [quote_ident(column.name) for column in mapping.target_columns])
 
 
 def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],

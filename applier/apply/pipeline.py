@@ -143,7 +143,7 @@ class Pipeline:
         self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
         self._flush()
 
-    def copy(self, sql: str, data: bytes, expected_rows: int | None) -> None:
+    def copy(self, sql: str, data: bytes | bytearray, expected_rows: int | None) -> None:
         """``COPY ... FROM STDIN`` with ``data``. libpq runs no COPY in pipeline mode: what is
         queued is synced first (its errors and counts raised as by ``sync``), then the COPY runs
         on its own. Its result is read (and pipeline mode entered again) only when the next

@@ -38,7 +38,7 @@ from ..protocol.messages import (
 )
 from ..assembler import Change, TransactionEnd, TransactionStart
 from ..sync.state import SyncFilter
-from .batch import Batch
+from .batch import Batch, Run
 from .divert import Discard, Divert
 from .extensions import Extensions, default_extensions
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
@@ -581,6 +581,68 @@ class TargetApplier:
         rows = self._batch.rows
         if rows >= PART_ROWS or rows >= limits.rows or self._batch.bytes >= limits.bytes:
             self._send_batch()  # a part ahead of the commit (PART_ROWS)
+
+    # -- the insert lane (lane.py) ---------------------------------------------------------------
+    @property
+    def batch_runs(self) -> dict[int, Run]:
+        """The batch's open runs by relation id (the lane writes into them; changed in place only)."""
+        return self._batch.runs
+
+    def lane_room(self, whole: bool) -> tuple[LSN, int, int, int] | None:
+        """May the insert lane take payloads now, and how far: None, or (take only transactions
+        committing after this LSN, rows until a part is due, rows and bytes until the batch is
+        full). ``whole``: it would take whole transactions (the batch's target transaction must
+        be open and nothing may decide otherwise about a transaction at its begin); else inserts
+        of the open one, which must be on the fast path undiverted."""
+        limits = self.limits
+        if limits is None or (self.sync_filter is not None and self.sync_filter.active):
+            return None
+        if whole:
+            if not self._batch_open or self._current is not None or self.extensions.skips.lsn is not None:
+                return None
+        elif not self._fast or self._divert is not None or self._current is None:
+            return None
+        batch = self._batch
+        return (max(self.applied.commit_lsn, self.careful_until), min(PART_ROWS, limits.rows) - batch.rows,
+                limits.rows - self._sent_rows - batch.rows, limits.bytes - batch.bytes)
+
+    def lane_run(self, relation_id: int, make_run: Callable[[int], Run]) -> bool:
+        """Give the relation's inserts a run in the batch if its table can take them: a table
+        independent of others, every column mapped. False: the ordinary path takes them (and
+        reports what is wrong with the relation, if anything)."""
+        if relation_id not in self.relations:
+            return False
+        try:
+            mapping = self._mapping(relation_id)
+        except ApplyError:
+            return False
+        if not mapping.table.independent:
+            return False
+        self._batch.open_run(mapping, make_run(len(mapping.target_columns)))
+        return True
+
+    def lane_took(self, rows: int, value_bytes: int, transactions: int,
+                  last: TransactionEnd | None) -> None:
+        """Count what the lane took, as ``insert`` and ``commit`` count the ordinary path's."""
+        batch = self._batch
+        batch.rows += rows
+        batch.bytes += value_bytes
+        counts = self._pending_counts
+        counts["insert"] += rows
+        if transactions:
+            counts["transactions"] += transactions
+            self._batch_last = last
+            self.current_origin = None
+
+    def lane_due(self) -> None:
+        """After the lane's last commit, no transaction open: commit the batch if its time is up."""
+        limits = self.limits
+        if limits is not None and self._batch_open and time.monotonic() - self._batch_started >= limits.seconds:
+            self.flush()
+
+    def send_part(self) -> None:
+        """Send what the batch holds ahead of its commit (the lane's part is due)."""
+        self._send_batch()
 
     def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message
                      ) -> Insert | Update | Delete | Truncate | Message | None:

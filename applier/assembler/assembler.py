@@ -74,6 +74,17 @@ class Assembler:
         return self._block is not None
 
     @property
+    def between_transactions(self) -> bool:
+        """No plain transaction and no stream block open (streamed transactions may be)."""
+        return self._plain is None and self._block is None
+
+    @property
+    def in_plain(self) -> bool:
+        """Inside a plain transaction begun by Begin (not a prepared one)."""
+        plain = self._plain
+        return plain is not None and plain.gid is None
+
+    @property
     def idle(self) -> bool:
         """No transaction or stream block open and nothing buffered: every message received so
         far has been fully delivered to the sink."""

@@ -551,18 +551,12 @@ init(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* Bytes of one value in COPY text format: \N for NULL, else the value with backslash, tab,
- * newline and carriage return escaped. */
+/* Bytes of n bytes at p in COPY text format: backslash, tab, newline and carriage return are
+ * escaped with a backslash. */
 static inline Py_ssize_t
-copy_field_size(PyObject *value)
+escaped_size(const char *p, Py_ssize_t n)
 {
-    const char *p;
-    Py_ssize_t n, i, size;
-    if (value == Py_None)
-        return 2;
-    p = PyBytes_AS_STRING(value);
-    n = PyBytes_GET_SIZE(value);
-    size = n;
+    Py_ssize_t i, size = n;
     for (i = 0; i < n; i++)
         if (p[i] == '\\' || p[i] == '\t' || p[i] == '\n' || p[i] == '\r')
             size++;
@@ -570,17 +564,9 @@ copy_field_size(PyObject *value)
 }
 
 static inline char *
-copy_field(char *out, PyObject *value)
+escape_into(char *out, const char *p, Py_ssize_t n)
 {
-    const char *p;
-    Py_ssize_t n, i;
-    if (value == Py_None) {
-        *out++ = '\\';
-        *out++ = 'N';
-        return out;
-    }
-    p = PyBytes_AS_STRING(value);
-    n = PyBytes_GET_SIZE(value);
+    Py_ssize_t i;
     for (i = 0; i < n; i++) {
         switch (p[i]) {
         case '\\': *out++ = '\\'; *out++ = '\\'; break;
@@ -591,6 +577,26 @@ copy_field(char *out, PyObject *value)
         }
     }
     return out;
+}
+
+/* One value (bytes or None) in COPY text format: \N for NULL. */
+static inline Py_ssize_t
+copy_field_size(PyObject *value)
+{
+    if (value == Py_None)
+        return 2;
+    return escaped_size(PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
+}
+
+static inline char *
+copy_field(char *out, PyObject *value)
+{
+    if (value == Py_None) {
+        *out++ = '\\';
+        *out++ = 'N';
+        return out;
+    }
+    return escape_into(out, PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value));
 }
 
 /* copy_text(rows): rows is a list of tuples of bytes or None, all of one width. Two passes:
@@ -643,6 +649,349 @@ copy_text(PyObject *module, PyObject *rows)
     return result;
 }
 
+/*
+ * The insert lane (applier/apply/lane.py drives it): plain transactions made of Begin, Inserts
+ * and Commit, taken straight from the received payloads into COPY text, with no message object
+ * built. Each table the apply stage has opened a Run for (the batch's open runs, a dict by
+ * relation id) receives its rows as COPY text lines. The lane takes what it is sure of and stops
+ * at the first payload it is not, saying why (reason); everything it stops at goes the ordinary
+ * way, which also reports every malformed message. It keeps no state between calls: a
+ * transaction still open when it returns is handed back through ``begin``.
+ */
+typedef struct {
+    PyObject_HEAD
+    PyObject *data;          /* bytearray: COPY text lines */
+    Py_ssize_t columns;      /* values per row */
+    Py_ssize_t rows;         /* lines in data */
+} RunObject;
+
+static PyObject *
+run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t columns;
+    RunObject *self;
+    static char *keywords[] = {"columns", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", keywords, &columns))
+        return NULL;
+    if (columns < 1) {
+        PyErr_SetString(PyExc_ValueError, "Run(columns): at least one column");
+        return NULL;
+    }
+    self = (RunObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->data = PyByteArray_FromStringAndSize(NULL, 0);
+    if (self->data == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->columns = columns;
+    return (PyObject *)self;
+}
+
+static void
+run_dealloc(RunObject *self)
+{
+    Py_XDECREF(self->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef run_members[] = {
+    {"data", T_OBJECT_EX, offsetof(RunObject, data), READONLY, "the rows as COPY text (bytearray)"},
+    {"columns", T_PYSSIZET, offsetof(RunObject, columns), READONLY, "values per row"},
+    {"rows", T_PYSSIZET, offsetof(RunObject, rows), 0, "rows in data"},
+    {NULL},
+};
+
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "applier.protocol._speedups.Run",
+    .tp_basicsize = sizeof(RunObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Run(columns)\n--\n\nRows for one table's COPY, as COPY text lines.",
+    .tp_new = run_new,
+    .tp_dealloc = (destructor)run_dealloc,
+    .tp_members = run_members,
+};
+
+/* Why take() returned. */
+enum { LANE_END = 0, LANE_FOREIGN = 1, LANE_NO_RUN = 2, LANE_PART = 3, LANE_LIMIT = 4 };
+
+typedef struct {
+    PyObject_HEAD
+    /* set by the caller before take() */
+    PyObject *runs;              /* dict: relation id -> Run */
+    int whole;                   /* take whole transactions (else only Inserts of an open one) */
+    unsigned long long after;    /* take a Begin only with a final LSN above this */
+    Py_ssize_t part_room;        /* rows, then stop: a part is due */
+    Py_ssize_t rows_room;        /* rows, then stop after the Commit: the batch is full */
+    Py_ssize_t bytes_room;       /* bytes of values, likewise */
+    /* the outcome of the last take() */
+    int reason;
+    Py_ssize_t rows, bytes, transactions;
+    unsigned int relation;       /* LANE_NO_RUN: the relation that has no run */
+    unsigned int xid;            /* xid of the last transaction committed */
+    PyObject *commit;            /* the last Commit payload taken, or None */
+    PyObject *begin;             /* the Begin payload of a transaction left open, or None */
+} LaneObject;
+
+static int
+lane_init(LaneObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *runs;
+    static char *keywords[] = {"runs", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", keywords, &PyDict_Type, &runs))
+        return -1;
+    Py_XSETREF(self->runs, Py_NewRef(runs));
+    Py_XSETREF(self->commit, Py_NewRef(Py_None));
+    Py_XSETREF(self->begin, Py_NewRef(Py_None));
+    return 0;
+}
+
+static void
+lane_dealloc(LaneObject *self)
+{
+    Py_XDECREF(self->runs);
+    Py_XDECREF(self->commit);
+    Py_XDECREF(self->begin);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* One Insert payload of a plain transaction ('I', relation id, 'N', tuple) as a COPY line of
+ * its table's run. OK: taken. MALFORMED: not for the lane (another shape, a binary or an
+ * unchanged value, a width other than the run's, or not well formed). LANE_NO_RUN (as a
+ * positive 2): no run for its relation. FAILED: a Python error. */
+static int
+lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len, PyObject **cached_run,
+            unsigned int *cached_relation)
+{
+    unsigned int relation;
+    Py_ssize_t natts, c, pos, size, value_bytes = 0, old;
+    RunObject *run;
+    char *out;
+
+    if (len < 8 || p[5] != 'N')
+        return MALFORMED;
+    relation = be32(p + 1);
+    if (*cached_run != NULL && relation == *cached_relation) {
+        run = (RunObject *)*cached_run;
+    }
+    else {
+        PyObject *key = PyLong_FromUnsignedLong(relation), *found;
+        if (key == NULL)
+            return FAILED;
+        found = PyDict_GetItemWithError(self->runs, key);
+        Py_DECREF(key);
+        if (found == NULL) {
+            if (PyErr_Occurred())
+                return FAILED;
+            self->relation = relation;
+            return 2;
+        }
+        if (!PyObject_TypeCheck(found, &RunType)) {
+            PyErr_SetString(PyExc_TypeError, "Lane.runs holds something other than a Run");
+            return FAILED;
+        }
+        run = (RunObject *)found;
+        *cached_run = found;
+        *cached_relation = relation;
+    }
+    natts = ((Py_ssize_t)p[6] << 8) | p[7];
+    if (natts != run->columns)
+        return MALFORMED;
+    /* First pass: check every value and size the line. */
+    size = natts;  /* the tabs and the newline */
+    pos = 8;
+    for (c = 0; c < natts; c++) {
+        if (pos >= len)
+            return MALFORMED;
+        if (p[pos] == 'n') {
+            pos++;
+            size += 2;
+        }
+        else if (p[pos] == 't') {
+            Py_ssize_t n;
+            if (pos + 5 > len)
+                return MALFORMED;
+            n = be32(p + pos + 1);
+            pos += 5;
+            if (n > len - pos)
+                return MALFORMED;
+            size += escaped_size((const char *)p + pos, n);
+            value_bytes += n;
+            pos += n;
+        }
+        else {
+            return MALFORMED;
+        }
+    }
+    if (pos != len)
+        return MALFORMED;
+    /* Second pass: write it. */
+    old = PyByteArray_GET_SIZE(run->data);
+    if (PyByteArray_Resize(run->data, old + size) < 0)
+        return FAILED;
+    out = PyByteArray_AS_STRING(run->data) + old;
+    pos = 8;
+    for (c = 0; c < natts; c++) {
+        if (p[pos] == 'n') {
+            pos++;
+            *out++ = '\\';
+            *out++ = 'N';
+        }
+        else {
+            Py_ssize_t n = be32(p + pos + 1);
+            pos += 5;
+            out = escape_into(out, (const char *)p + pos, n);
+            pos += n;
+        }
+        *out++ = c + 1 < natts ? '\t' : '\n';
+    }
+    run->rows++;
+    self->rows++;
+    self->bytes += value_bytes;
+    return OK;
+}
+
+/* take(payloads, start) -> index: take payloads from start on; returns the index of the first
+ * one not taken (len(payloads) when all were). */
+static PyObject *
+lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *payloads, *cached_run = NULL, *open_begin = NULL, *last_commit = NULL;
+    Py_ssize_t i, n;
+    unsigned int cached_relation = 0, open_xid = 0;
+    unsigned long long open_final = 0;
+    int open = 0;
+
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(payloads: list, start: int)");
+        return NULL;
+    }
+    payloads = args[0];
+    i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    n = PyList_GET_SIZE(payloads);
+    if (i < 0 || i > n) {
+        PyErr_SetString(PyExc_IndexError, "take(): start out of range");
+        return NULL;
+    }
+    self->reason = LANE_END;
+    self->rows = self->bytes = self->transactions = 0;
+    for (; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(payloads, i);
+        const unsigned char *p;
+        Py_ssize_t len;
+        if (!PyBytes_CheckExact(item)) {
+            self->reason = LANE_FOREIGN;
+            break;
+        }
+        p = (const unsigned char *)PyBytes_AS_STRING(item);
+        len = PyBytes_GET_SIZE(item);
+        if (len == 21 && p[0] == 'B' && self->whole && !open) {
+            /* A transaction that goes on with anything but an insert is not for the lane: the
+             * ordinary path takes it from its Begin. */
+            if (i + 1 < n) {
+                PyObject *next = PyList_GET_ITEM(payloads, i + 1);
+                if (!PyBytes_CheckExact(next) || PyBytes_GET_SIZE(next) < 1
+                    || (PyBytes_AS_STRING(next)[0] != 'I' && PyBytes_AS_STRING(next)[0] != 'C')) {
+                    self->reason = LANE_FOREIGN;
+                    break;
+                }
+            }
+            open_final = be64(p + 1);
+            if (open_final <= self->after) {
+                self->reason = LANE_FOREIGN;
+                break;
+            }
+            open = 1;
+            open_xid = be32(p + 17);
+            open_begin = item;
+            continue;
+        }
+        if (len == 26 && p[0] == 'C' && open && p[1] == 0 && be64(p + 2) == open_final) {
+            open = 0;
+            open_begin = NULL;
+            last_commit = item;
+            self->xid = open_xid;
+            self->transactions++;
+            if (self->rows >= self->rows_room || self->bytes >= self->bytes_room) {
+                i++;
+                self->reason = LANE_LIMIT;
+                break;
+            }
+            continue;
+        }
+        if (len > 0 && p[0] == 'I' && (open || !self->whole)) {
+            int taken = lane_insert(self, p, len, &cached_run, &cached_relation);
+            if (taken == FAILED)
+                return NULL;
+            if (taken == MALFORMED) {
+                self->reason = LANE_FOREIGN;
+                break;
+            }
+            if (taken == 2) {
+                self->reason = LANE_NO_RUN;
+                break;
+            }
+            if (self->rows >= self->part_room || self->bytes >= self->bytes_room) {
+                i++;
+                self->reason = LANE_PART;
+                break;
+            }
+            continue;
+        }
+        self->reason = LANE_FOREIGN;
+        break;
+    }
+    Py_SETREF(self->begin, Py_NewRef(open_begin != NULL ? open_begin : Py_None));
+    if (last_commit != NULL)
+        Py_SETREF(self->commit, Py_NewRef(last_commit));
+    else
+        Py_SETREF(self->commit, Py_NewRef(Py_None));
+    return PyLong_FromSsize_t(i);
+}
+
+static PyMemberDef lane_members[] = {
+    {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run"},
+    {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
+    {"after", T_ULONGLONG, offsetof(LaneObject, after), 0, "take a Begin only above this final LSN"},
+    {"part_room", T_PYSSIZET, offsetof(LaneObject, part_room), 0, "rows before a part is due"},
+    {"rows_room", T_PYSSIZET, offsetof(LaneObject, rows_room), 0, "rows before the batch is full"},
+    {"bytes_room", T_PYSSIZET, offsetof(LaneObject, bytes_room), 0, "bytes before the batch is full"},
+    {"reason", T_INT, offsetof(LaneObject, reason), READONLY, "why take() returned"},
+    {"rows", T_PYSSIZET, offsetof(LaneObject, rows), READONLY, "rows taken by the last take()"},
+    {"bytes", T_PYSSIZET, offsetof(LaneObject, bytes), READONLY, "bytes of their values"},
+    {"transactions", T_PYSSIZET, offsetof(LaneObject, transactions), READONLY,
+     "transactions committed by the last take()"},
+    {"relation", T_UINT, offsetof(LaneObject, relation), READONLY, "the relation without a run"},
+    {"xid", T_UINT, offsetof(LaneObject, xid), READONLY, "xid of the last transaction committed"},
+    {"commit", T_OBJECT, offsetof(LaneObject, commit), READONLY, "the last Commit payload taken"},
+    {"begin", T_OBJECT, offsetof(LaneObject, begin), READONLY,
+     "the Begin payload of a transaction left open"},
+    {NULL},
+};
+
+static PyMethodDef lane_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))lane_take, METH_FASTCALL,
+     "take(payloads, start)\n--\n\nTake payloads from start on; the index of the first not taken."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "applier.protocol._speedups.Lane",
+    .tp_basicsize = sizeof(LaneObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Lane(runs)\n--\n\nThe insert lane over the open runs (relation id -> Run).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lane_init,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_members = lane_members,
+    .tp_methods = lane_methods,
+};
+
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
      "init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST, "
@@ -677,6 +1026,7 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
+    PyObject *module;
     PyDateTime_IMPORT;
     if (PyDateTimeAPI == NULL)
         return NULL;
@@ -684,5 +1034,15 @@ PyInit__speedups(void)
     KindO = PyUnicode_FromOrdinal('O');
     if (KindK == NULL || KindO == NULL)
         return NULL;
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&LaneType) < 0)
+        return NULL;
+    module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
+        || PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -112,5 +112,10 @@ class SyncFilter:
             # Commit LSNs only grow: no later transaction can fall below any sync LSN either.
             self._lsns.clear()
 
+    @property
+    def active(self) -> bool:
+        """Some table's copy may still hold transactions to come."""
+        return bool(self._lsns)
+
     def skips(self, schema: str, table: str) -> bool:
         return (schema, table) in self.skipped

@@ -1,0 +1,89 @@
+"""The insert lane: plain transactions of inserts, from the received payloads straight to COPY text.
+
+Owns deciding when the C lane (``_speedups.Lane``) may take payloads and handing what it took to
+the sink: the rows it wrote into the batch's runs (``batch.Run``, one per independent table), the
+transactions it saw commit and the last of them (the progress row names it), a part that is due,
+a batch that is full. A stream of small insert transactions or one large one is then mostly C: no
+message object, no per-row call. Whatever the lane does not take (any other message, a table it
+may not write, a value not in text, anything malformed) it leaves where it stopped, and the
+ordinary path (decoder, assembler, sink) takes it, so every check and error stays there.
+
+Must never hold a transaction across a return: one still open when the C lane stops is handed
+back (its Begin fed to the assembler), so the ordinary path finishes it and a batch is never
+committed in the middle of a source transaction. Without the C accelerator there is no lane and
+the ordinary path takes everything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from ..assembler import TransactionEnd
+from ..protocol.decoder import decode
+from ..protocol.messages import Commit
+from .sink import TargetApplier
+
+__all__ = ["InsertLane", "insert_lane"]
+
+#: Why ``Lane.take`` stopped (``_speedups.c``).
+_END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
+_BEGIN, _INSERT = ord("B"), ord("I")
+
+
+class InsertLane:
+    def __init__(self, lane_type: type, run_type: Callable[[int], object], sink: TargetApplier,
+                 hand_back: Callable[[bytes], None]) -> None:
+        self._sink = sink
+        self._lane = lane_type(sink.batch_runs)
+        self._make_run = run_type
+        self._hand_back = hand_back
+
+    def take(self, payloads: list[bytes], start: int, whole: bool) -> int:
+        """Take payloads from ``start`` on; the index of the first left for the ordinary path.
+        ``whole``: no transaction is open (take Begin .. Commit); else a plain one is, on the
+        fast path (take its inserts)."""
+        kind = payloads[start][0]
+        if kind != _INSERT and (kind != _BEGIN or not whole):
+            return start
+        lane, sink = self._lane, self._sink
+        index = start
+        while index < len(payloads):
+            room = sink.lane_room(whole)
+            if room is None:
+                return index
+            lane.whole = whole
+            lane.after, lane.part_room, lane.rows_room, lane.bytes_room = room
+            index = lane.take(payloads, index)
+            last = None
+            if lane.transactions:
+                commit = decode(lane.commit)
+                assert isinstance(commit, Commit)
+                last = TransactionEnd(lane.xid, commit.commit_lsn, commit.end_lsn, commit.commit_time,
+                                      streamed=False, gid=None)
+            sink.lane_took(lane.rows, lane.bytes, lane.transactions, last)
+            if lane.begin is not None:
+                self._hand_back(lane.begin)  # that transaction continues on the ordinary path
+                whole = False
+            elif lane.transactions:
+                sink.lane_due()
+            reason = lane.reason
+            if reason == _PART:
+                sink.send_part()
+            elif reason == _LIMIT:
+                sink.flush()
+            elif reason != _NO_RUN or not sink.lane_run(lane.relation, self._make_run):
+                return index
+        return index
+
+
+def insert_lane(sink: TargetApplier, hand_back: Callable[[bytes], None]) -> InsertLane | None:
+    """The lane over ``sink``'s batch, or None without the C accelerator (or with
+    ``APPLIER_PURE_PYTHON=1``)."""
+    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
+        return None
+    try:
+        from ..protocol import _speedups  # type: ignore[attr-defined]  # built only with a compiler
+    except ImportError:
+        return None
+    return InsertLane(_speedups.Lane, _speedups.Run, sink, hand_back)

@@ -92,6 +92,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -101,7 +102,7 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from .apply.extensions import Extensions, setup_extensions
-from .apply.lane import InsertLane, insert_lane
+from .apply.lane import InsertLane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
@@ -301,8 +302,7 @@ class Worker:
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
             stream.start(applied.end_lsn)
-            lane = insert_lane(applier, lambda begin: assembler.feed(decode(begin), begin))
-            self._stream_loop(stream, assembler, applier, lane, control)
+            self._stream_loop(stream, assembler, applier, control)
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
             if isinstance(exc, ApplyError) and exc.careful_until is not None:
                 self.careful_until = max(self.careful_until, exc.careful_until)
@@ -381,7 +381,12 @@ class Worker:
         return info.two_phase
 
     def _stream_loop(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier,
-                     lane: InsertLane | None, control: psycopg.Connection) -> None:
+                     control: psycopg.Connection) -> None:
+        lane = applier.lane
+
+        def hand_back(begin: bytes) -> None:
+            assembler.feed(decode(begin), begin)
+
         last_flush_check = 0.0
         while not self.stop_requested:
             # While the fast path holds uncommitted work, only take what has already arrived;
@@ -391,7 +396,7 @@ class Worker:
             waiting = self._unflushed or (self.caught_up is not None
                                           and stream.flush_lsn < self.caught_up.goal)
             batch = stream.read_batch(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
-            _feed(batch, assembler, lane)
+            _feed(batch, assembler, lane, hand_back)
             if not assembler.idle:
                 continue
             if not batch and applier.holds_uncommitted:
@@ -439,15 +444,17 @@ class Worker:
 _LANE_KINDS = (ord("B"), ord("I"))
 
 
-def _feed(payloads: list[bytes], assembler: Assembler, lane: InsertLane | None) -> None:
-    """Every payload, in order, to the insert lane where it takes them, else to the assembler."""
+def _feed(payloads: list[bytes], assembler: Assembler, lane: InsertLane | None,
+          hand_back: Callable[[bytes], None]) -> None:
+    """Every payload, in order, to the insert lane where it takes them, else to the assembler
+    (``hand_back`` gives it a transaction the lane began and did not finish)."""
     index, count = 0, len(payloads)
     while index < count:
         payload = payloads[index]
         if lane is not None and payload[0] in _LANE_KINDS:
             between = assembler.between_transactions
             if between or assembler.in_plain:
-                index = lane.take(payloads, index, between)
+                index = lane.take(payloads, index, hand_back=hand_back if between else None)
                 if index == count:
                     return
                 payload = payloads[index]

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..assembler import TransactionEnd
 from ..protocol.decoder import decode
 from ..protocol.messages import Commit
-from .sink import TargetApplier
+
+if TYPE_CHECKING:
+    from .sink import TargetApplier
 
 __all__ = ["InsertLane", "insert_lane"]
 
@@ -32,21 +35,26 @@ _BEGIN, _INSERT = ord("B"), ord("I")
 
 
 class InsertLane:
-    def __init__(self, lane_type: type, run_type: Callable[[int], object], sink: TargetApplier,
-                 hand_back: Callable[[bytes], None]) -> None:
+    def __init__(self, lane_type: type, run_type: Callable[[int], object], sink: TargetApplier) -> None:
         self._sink = sink
         self._lane = lane_type(sink.batch_runs)
         self._make_run = run_type
-        self._hand_back = hand_back
 
-    def take(self, payloads: list[bytes], start: int, whole: bool) -> int:
+    def take(self, payloads: list[bytes], start: int, *,
+             hand_back: Callable[[bytes], None] | None = None, streamed: bool = False) -> int:
         """Take payloads from ``start`` on; the index of the first left for the ordinary path.
-        ``whole``: no transaction is open (take Begin .. Commit); else a plain one is, on the
-        fast path (take its inserts)."""
+
+        ``hand_back``: no transaction is open, so take whole ones (Begin .. Commit); one still
+        open when the lane stops goes to ``hand_back`` (its Begin payload) and the ordinary path
+        takes it on. None: the sink is inside a transaction (a plain one received, or a streamed
+        one replayed from its stream blocks: ``streamed``, whose changes carry their xid), so
+        take only its inserts."""
         kind = payloads[start][0]
+        whole = hand_back is not None
         if kind != _INSERT and (kind != _BEGIN or not whole):
             return start
         lane, sink = self._lane, self._sink
+        lane.streamed = streamed
         index = start
         while index < len(payloads):
             room = sink.lane_room(whole)
@@ -63,7 +71,8 @@ class InsertLane:
                                       streamed=False, gid=None)
             sink.lane_took(lane.rows, lane.bytes, lane.transactions, last)
             if lane.begin is not None:
-                self._hand_back(lane.begin)  # that transaction continues on the ordinary path
+                assert hand_back is not None
+                hand_back(lane.begin)  # that transaction continues on the ordinary path
                 whole = False
             elif lane.transactions:
                 sink.lane_due()
@@ -77,7 +86,7 @@ class InsertLane:
         return index
 
 
-def insert_lane(sink: TargetApplier, hand_back: Callable[[bytes], None]) -> InsertLane | None:
+def insert_lane(sink: TargetApplier) -> InsertLane | None:
     """The lane over ``sink``'s batch, or None without the C accelerator (or with
     ``APPLIER_PURE_PYTHON=1``)."""
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
@@ -86,4 +95,4 @@ def insert_lane(sink: TargetApplier, hand_back: Callable[[bytes], None]) -> Inse
         from ..protocol import _speedups  # type: ignore[attr-defined]  # built only with a compiler
     except ImportError:
         return None
-    return InsertLane(_speedups.Lane, _speedups.Run, sink, hand_back)
+    return InsertLane(_speedups.Lane, _speedups.Run, sink)

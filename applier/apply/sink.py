@@ -41,6 +41,7 @@ from ..sync.state import SyncFilter
 from .batch import Batch, Run
 from .divert import Discard, Divert
 from .extensions import Extensions, default_extensions
+from .lane import InsertLane, insert_lane
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .relations import (
     MissingTargetColumn, MissingTargetTable, RelationMapping, TargetTable, map_relation,
@@ -148,6 +149,9 @@ class TargetApplier:
         self._divert: Divert | None = None
         self._progress_sql = self.extensions.progress_sql or PROGRESS_SQL
         self.current_origin: Origin | None = None
+        #: Plain transactions of inserts, and the inserts of any fast-path transaction, taken
+        #: straight from their payloads (None without the C accelerator).
+        self.lane: InsertLane | None = insert_lane(self)
 
     @property
     def current_xid(self) -> int | None:
@@ -477,6 +481,11 @@ class TargetApplier:
             self._truncate(msg)  # type: ignore[arg-type]
         elif kind is Message:
             self._message(msg)  # type: ignore[arg-type]
+
+    def take_changes(self, payloads: list[bytes], start: int) -> int:
+        """A replayed streamed transaction's inserts go through the lane where it takes them."""
+        lane = self.lane
+        return start if lane is None else lane.take(payloads, start, streamed=True)
 
     def _apply(self, msg: Change) -> None:
         """``change`` without the divert test, for a divert that applies (two-phase prepare)."""

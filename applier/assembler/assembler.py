@@ -29,8 +29,11 @@ from .sink import TransactionEnd, TransactionSink, TransactionStart
 
 __all__ = ["Assembler"]
 
-#: How many replayed changes of a streamed transaction pass between two heartbeat calls.
-HEARTBEAT_EVERY = 1024
+#: Replayed changes of a streamed transaction are offered to the sink this many at a time.
+REPLAY_CHUNK = 256
+#: How many replayed changes of a streamed transaction pass between two heartbeat calls (a
+#: multiple of REPLAY_CHUNK).
+HEARTBEAT_EVERY = 4 * REPLAY_CHUNK
 
 
 class Assembler:
@@ -314,27 +317,46 @@ class Assembler:
 
     def _replay(self, buffer: StreamBuffer, start: TransactionStart, end: TransactionEnd,
                 finish: Callable[[TransactionEnd], None]) -> None:
-        """Deliver a streamed transaction, decoding its changes one at a time from the buffer."""
+        """Deliver a streamed transaction from its buffer, a chunk of changes at a time: the sink
+        may take changes of a chunk still encoded (``take_changes``); the others are decoded here
+        one at a time."""
         sink = self._sink
+        heartbeat = self._heartbeat
         try:
             sink.begin(start)
-            heartbeat = self._heartbeat
-            for n, raw in enumerate(buffer.replay(), 1):
-                if heartbeat is not None and n % HEARTBEAT_EVERY == 0:
-                    heartbeat()
-                msg = decode(raw, in_stream=True)
-                kind = type(msg)
-                if kind is Relation:
-                    sink.relation(msg)  # type: ignore[arg-type]
-                elif kind is Type:
-                    sink.type(msg)  # type: ignore[arg-type]
-                elif kind is Origin:
-                    sink.origin(msg)  # type: ignore[arg-type]
-                else:
-                    sink.change(msg)  # type: ignore[arg-type]
+            chunk: list[bytes] = []
+            delivered = 0
+            for raw in buffer.replay():
+                chunk.append(raw)
+                if len(chunk) == REPLAY_CHUNK:
+                    self._deliver(chunk)
+                    chunk = []
+                    delivered += REPLAY_CHUNK
+                    if heartbeat is not None and delivered % HEARTBEAT_EVERY == 0:
+                        heartbeat()
+            self._deliver(chunk)
             finish(end)
         finally:
             self._drop(buffer)
+
+    def _deliver(self, chunk: list[bytes]) -> None:
+        sink = self._sink
+        index, count = 0, len(chunk)
+        while index < count:
+            index = sink.take_changes(chunk, index)
+            if index == count:
+                return
+            msg = decode(chunk[index], in_stream=True)
+            index += 1
+            kind = type(msg)
+            if kind is Relation:
+                sink.relation(msg)  # type: ignore[arg-type]
+            elif kind is Type:
+                sink.type(msg)  # type: ignore[arg-type]
+            elif kind is Origin:
+                sink.origin(msg)  # type: ignore[arg-type]
+            else:
+                sink.change(msg)  # type: ignore[arg-type]
 
     def _drop(self, buffer: StreamBuffer) -> None:
         self._memory_bytes -= buffer.memory_bytes

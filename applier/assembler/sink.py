@@ -72,6 +72,12 @@ class TransactionSink(Protocol):
     def change(self, msg: Change) -> None:
         """One transactional change of the current transaction, in order."""
 
+    def take_changes(self, payloads: list[bytes], start: int) -> int:
+        """Changes of the streamed transaction being delivered, still encoded (as received in
+        its stream blocks), from ``start`` on: the sink may take a prefix of them itself;
+        returns the index of the first it did not take, which then comes through ``change``
+        (or ``relation``, ``type``, ``origin``) decoded, and the rest after it are offered again."""
+
     def commit(self, txn: TransactionEnd) -> None:
         """The current transaction commits (Commit or Stream Commit)."""
 

@@ -722,6 +722,7 @@ typedef struct {
     /* set by the caller before take() */
     PyObject *runs;              /* dict: relation id -> Run */
     int whole;                   /* take whole transactions (else only Inserts of an open one) */
+    int streamed;                /* the payloads come from a stream block: changes carry an xid */
     unsigned long long after;    /* take a Begin only with a final LSN above this */
     Py_ssize_t part_room;        /* rows, then stop: a part is due */
     Py_ssize_t rows_room;        /* rows, then stop after the Commit: the batch is full */
@@ -757,7 +758,7 @@ lane_dealloc(LaneObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* One Insert payload of a plain transaction ('I', relation id, 'N', tuple) as a COPY line of
+/* One Insert payload ('I', the xid in a stream block, relation id, 'N', tuple) as a COPY line of
  * its table's run. OK: taken. MALFORMED: not for the lane (another shape, a binary or an
  * unchanged value, a width other than the run's, or not well formed). LANE_NO_RUN (as a
  * positive 2): no run for its relation. FAILED: a Python error. */
@@ -770,6 +771,10 @@ lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len, PyObject *
     RunObject *run;
     char *out;
 
+    if (self->streamed) {  /* the xid: the caller delivers only the transaction being applied */
+        p += 4;
+        len -= 4;
+    }
     if (len < 8 || p[5] != 'N')
         return MALFORMED;
     relation = be32(p + 1);
@@ -956,6 +961,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyMemberDef lane_members[] = {
     {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run"},
     {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
+    {"streamed", T_INT, offsetof(LaneObject, streamed), 0, "payloads of a stream block (with xid)"},
     {"after", T_ULONGLONG, offsetof(LaneObject, after), 0, "take a Begin only above this final LSN"},
     {"part_room", T_PYSSIZET, offsetof(LaneObject, part_room), 0, "rows before a part is due"},
     {"rows_room", T_PYSSIZET, offsetof(LaneObject, rows_room), 0, "rows before the batch is full"},

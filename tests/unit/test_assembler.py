@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from applier.assembler import Assembler, ProtocolSequenceError, TransactionEnd, TransactionStart
-from applier.assembler.assembler import HEARTBEAT_EVERY
+from applier.assembler.assembler import HEARTBEAT_EVERY, REPLAY_CHUNK
 from applier.protocol import (
     LSN, Delete, Insert, Message, Origin, Relation, Truncate, Type, Update, decode,
 )
@@ -252,8 +252,39 @@ def test_long_replay_calls_the_heartbeat(sink: RecordingSink, spill_dir: Path) -
     feed(asm, stream_stop())
     assert beats == []  # buffering reads the stream anyway
     feed(asm, stream_commit(80, 0xB00, 0xB10))
-    # sink: begin, then changes; beat n comes before the (n * HEARTBEAT_EVERY)-th change
-    assert beats == [n * HEARTBEAT_EVERY for n in (1, 2, 3)]
+    # sink: begin, then changes; beat n comes right after the (n * HEARTBEAT_EVERY)-th change
+    assert beats == [1 + n * HEARTBEAT_EVERY for n in (1, 2, 3)]
+
+
+class _TakingSink(RecordingSink):
+    """Takes, still encoded, every replayed change whose payload contains b"take"."""
+
+    def take_changes(self, payloads: list[bytes], start: int) -> int:
+        while start < len(payloads) and b"take" in payloads[start]:
+            self.calls.append(("taken", payloads[start]))
+            start += 1
+        return start
+
+
+def test_replay_offers_changes_undecoded_and_keeps_their_order(spill_dir: Path) -> None:
+    """What the sink takes itself and what it is given decoded interleave in the stream's order,
+    across chunk boundaries."""
+    sink = _TakingSink()
+    asm = Assembler(sink, memory_budget=1 << 20, spill_dir=spill_dir)
+    feed(asm, stream_start(81, first=True))
+    values = [(b"take-%d" if i % 7 < 4 else b"keep-%d") % i for i in range(3 * REPLAY_CHUNK + 3)]
+    for value in values:
+        feed(asm, insert(1, value, xid=81))
+    feed(asm, stream_stop())
+    feed(asm, stream_commit(81, 0xC00, 0xC10))
+    assert sink.names()[0] == "begin" and sink.names()[-1] == "commit"
+    # Each change, taken (its payload) or given decoded (its message), in the stream's order.
+    delivered = [call if name == "taken" else call.new_tuple.values[0] for name, call in sink.calls[1:-1]]
+    assert len(delivered) == len(values)
+    for value, got in zip(values, delivered):
+        assert (got.endswith(value) if value.startswith(b"take") else got == value), (value, got)
+    kept = [msg.new_tuple.values[0] for name, msg in sink.calls if name == "change"]
+    assert kept == [value for value in values if value.startswith(b"keep")]
 
 
 def test_spill_picks_largest_buffer(sink: RecordingSink, spill_dir: Path) -> None:

@@ -144,3 +144,44 @@ def test_a_dependent_table_is_a_barrier_for_gathering() -> None:
     batch.insert(plain, _row(b"2", b"a", b"x"))
     tables = [s.sql.split()[2] for s in batch.statements()]
     assert tables == ['"public"."t1"', '"public"."t2"', '"public"."t1"']
+
+
+class _Run:
+    """A run as the insert lane's C type holds it (``_speedups.Run``)."""
+
+    def __init__(self, columns: int) -> None:
+        self.data, self.columns, self.rows = bytearray(), columns, 0
+
+
+def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
+    batch = Batch()
+    items, other = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
+    batch.update(items, _row(b"9", b"before", b"x"), None)
+    run = _Run(3)
+    batch.open_run(items, run)
+    run.data += b"1\ta\tx\n"  # as the lane writes it
+    run.rows += 1
+    batch.insert(other, _row(b"5", b"o", b"y"))
+    batch.insert(items, _row(b"2", b"b\tc", None))  # the ordinary path joins the open run
+    statements = list(batch.statements())
+    assert [s.sql.split()[0] for s in statements] == ["UPDATE", "COPY", "INSERT"]
+    copy = statements[1]
+    assert copy.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN'
+    assert bytes(copy.copy_data) == b"1\ta\tx\n2\tb\\tc\t\\N\n" and copy.expected_rows == 2
+
+
+def test_another_change_of_the_table_closes_its_run_and_a_barrier_closes_every_run() -> None:
+    batch = Batch()
+    items, other = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
+    triggered = _mapping(relation_id=3)
+    batch.open_run(items, _Run(3))
+    batch.open_run(other, _Run(3))
+    batch.insert(items, _row(b"1", b"a", b"x"))
+    batch.delete(items, _row(b"1", None, None))  # must follow that insert: the run closes
+    assert set(batch.runs) == {2}
+    batch.insert(items, _row(b"1", b"b", b"x"))  # after the delete, as an ordinary insert
+    batch.insert(triggered, _row(b"7", b"t", b"z"))
+    assert batch.runs == {}
+    kinds = [s.sql.split()[0] for s in batch.statements()]
+    # items: COPY (the run), DELETE, INSERT; other's run is empty and sends nothing; then the barrier.
+    assert kinds == ["COPY", "DELETE", "INSERT", "INSERT"]

@@ -440,8 +440,8 @@ class Worker:
         return False
 
 
-#: First bytes of the payloads the insert lane may take: Begin and Insert.
-_LANE_KINDS = (ord("B"), ord("I"))
+#: First bytes of the payloads the insert lane may take: Begin, Insert and Update.
+_LANE_KINDS = (ord("B"), ord("I"), ord("U"))
 
 
 def _feed(payloads: list[bytes], assembler: Assembler, lane: InsertLane | None,

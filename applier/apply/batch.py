@@ -7,10 +7,12 @@ Owns turning a sequence of row changes into few statements with a known outcome:
 - an insert followed by updates of the same row becomes one insert of the final row;
 - the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
-  text format, else multi-row INSERTs; an independent table may also hold an open *run*: rows
-  already in COPY text (the insert lane, ``lane.py``, writes them straight from the received
-  payloads), sent as one COPY where the run began, so anything that must follow those rows
-  (any other change of that table, a barrier) closes the run first; runs of deletes by key one
+  text format, else multi-row INSERTs;
+- an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
+  straight from the received payloads): inserts as COPY text (``Run``), or updates of every
+  column by key, folded by key (``UpdateRun``). It is sent where it began, as one COPY or as
+  multi-row UPDATEs, so a change that must follow its rows (any other change of that table, a
+  barrier) closes it first; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
@@ -35,7 +37,7 @@ from .statements import NEW, OLD, delete_sql, update_sql
 
 __all__ = ["Batch", "BatchStatement"]
 
-_INSERT, _UPDATE, _DELETE, _SQL, _COPY = 0, 1, 2, 3, 4
+_INSERT, _UPDATE, _DELETE, _SQL, _COPY, _UPDATES = 0, 1, 2, 3, 4, 5
 #: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
@@ -52,7 +54,7 @@ class _Op:
     old: TupleData | None          # update: the old key/row when sent
     shape: tuple                   # what makes two ops share one statement
     sql: str = ""                  # _SQL ops: a statement sent as is (TRUNCATE)
-    run: "Run | None" = None       # _COPY ops: the rows, already COPY text
+    run: "Run | UpdateRun | None" = None  # _COPY and _UPDATES ops: the open run
 
 
 @dataclass(slots=True)
@@ -72,23 +74,41 @@ _ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
 _FORMATS = bytes(1 if i == KIND_BINARY else 0 for i in range(256))
 
 
+def _every_column(width: int) -> tuple[int, ...]:
+    every = _ALL_COLUMNS.get(width)
+    if every is None:
+        every = _ALL_COLUMNS[width] = tuple(range(width))
+    return every
+
+
 def _present(row: TupleData) -> tuple[int, ...]:
     kinds = row.kinds
     if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
-        width = len(kinds)
-        every = _ALL_COLUMNS.get(width)
-        if every is None:
-            every = _ALL_COLUMNS[width] = tuple(range(width))
-        return every
+        return _every_column(len(kinds))
     return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
 
 
 class Run(Protocol):
-    """Rows of one table as COPY text lines (``_speedups.Run``), all with every column."""
+    """Inserts into one table as COPY text lines, each with every column (``_lane.Run``)."""
 
     data: bytearray
     columns: int
     rows: int
+
+
+class UpdateRun(Protocol):
+    """Updates of every column of one table by its key, folded by key (``_lane.UpdateRun``);
+    ``len()`` is the rows they update."""
+
+    columns: int
+    keys: tuple[int, ...]
+    changes: int
+
+    def __len__(self) -> int: ...
+
+    def add(self, values: tuple[bytes | None, ...]) -> None: ...
+
+    def params(self, start: int, stop: int) -> list[bytes | None]: ...
 
 
 class Batch:
@@ -101,9 +121,10 @@ class Batch:
         self._last: dict[tuple, int] = {}    # (relation id, key values) -> index of its op
         self._key_getters: dict[int, Callable[[tuple], object]] = {}
         self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
-        #: Open runs by relation id; the insert lane holds this very dict, so it is only ever
-        #: changed in place.
-        self.runs: dict[int, Run] = {}
+        #: Open runs by relation id; the lane holds this very dict, so it is only ever changed
+        #: in place. ``_open`` has their ops.
+        self.runs: dict[int, Run | UpdateRun] = {}
+        self._open: dict[int, _Op] = {}
         self.rows = 0
         self.bytes = 0
 
@@ -113,13 +134,13 @@ class Batch:
     def clear(self) -> None:
         self._ops.clear()
         self._last.clear()
-        self.runs.clear()
+        self._close_every_run()
         self.rows = self.bytes = 0
 
     def forget(self, relation_id: int) -> None:
         """A relation's definition changed: drop what was derived from the old one."""
         self._key_getters.pop(relation_id, None)
-        self.runs.pop(relation_id, None)
+        self._close_run(relation_id)
         self._sql = {k: v for k, v in self._sql.items() if k[0][1] != relation_id}
 
     # -- recording ------------------------------------------------------------------------------
@@ -127,20 +148,32 @@ class Batch:
         self.rows += 1
         self.bytes += row.size
 
-    def open_run(self, mapping: RelationMapping, run: Run) -> None:
-        """Start a run for an independent table's inserts here, in the order of changes."""
+    def open_run(self, mapping: RelationMapping, run: Run | UpdateRun, updates: bool) -> None:
+        """Start a run for an independent table's inserts (or, ``updates``, its updates by key)
+        here, in the order of changes; one open before for that table ends."""
         assert mapping.table.independent and run.columns == len(mapping.target_columns)
-        self.runs[mapping.relation.relation_id] = run
-        self._ops.append(_Op(_COPY, mapping, None, None, (_COPY, mapping.relation.relation_id, False),
-                             run=run))
+        relation_id = mapping.relation.relation_id
+        kind = _UPDATES if updates else _COPY
+        op = _Op(kind, mapping, None, None, (kind, relation_id, False), run=run)
+        self._open[relation_id] = op
+        self.runs[relation_id] = run
+        self._ops.append(op)
+
+    def _close_run(self, relation_id: int) -> None:
+        if self._open.pop(relation_id, None) is not None:
+            del self.runs[relation_id]
+
+    def _close_every_run(self) -> None:
+        self._open.clear()
+        self.runs.clear()
 
     def _close_runs(self, mapping: RelationMapping) -> None:
-        """A change of ``mapping``'s table other than a run's insert: what follows it must not
-        join a run begun before it (a barrier's change ends every run)."""
+        """A change of ``mapping``'s table that joins no run: what follows it must not join a
+        run begun before it (a barrier's change ends every run)."""
         if mapping.table.independent:
-            self.runs.pop(mapping.relation.relation_id, None)
+            self._close_run(mapping.relation.relation_id)
         else:
-            self.runs.clear()
+            self._close_every_run()
 
     def _key(self, mapping: RelationMapping, row: TupleData) -> tuple:
         relation_id = mapping.relation.relation_id
@@ -151,9 +184,10 @@ class Batch:
 
     def insert(self, mapping: RelationMapping, new: TupleData) -> None:
         self._count(new)
-        if self.runs:
-            run = self.runs.get(mapping.relation.relation_id)
-            if run is not None and len(new.kinds) == run.columns and KIND_BINARY not in new.kinds:
+        if self._open:
+            op = self._open.get(mapping.relation.relation_id)
+            if op is not None and op.kind == _COPY and KIND_BINARY not in new.kinds:
+                run: Run = op.run  # type: ignore[assignment]
                 run.data.extend(copy_text([new.values]))  # type: ignore[list-item]
                 run.rows += 1
                 return
@@ -166,7 +200,12 @@ class Batch:
 
     def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
         self._count(new)
-        if self.runs:
+        if self._open:
+            op = self._open.get(mapping.relation.relation_id)
+            if (op is not None and op.kind == _UPDATES and old is None
+                    and KIND_UNCHANGED not in new.kinds and KIND_BINARY not in new.kinds):
+                op.run.add(new.values)  # type: ignore[union-attr, arg-type]
+                return
             self._close_runs(mapping)
         assigned = _present(new)
         relation_id = mapping.relation.relation_id
@@ -205,7 +244,7 @@ class Batch:
 
     def delete(self, mapping: RelationMapping, old: TupleData) -> None:
         self._count(old)
-        if self.runs:
+        if self._open:
             self._close_runs(mapping)
         relation_id = mapping.relation.relation_id
         if mapping.full_identity:
@@ -219,7 +258,7 @@ class Batch:
     def statement(self, sql: str) -> None:
         """A statement that must run in order and ends all folding (TRUNCATE)."""
         self._last.clear()
-        self.runs.clear()
+        self._close_every_run()
         self._ops.append(_Op(_SQL, None, None, None, (_SQL, False), sql))
 
     # -- emitting -------------------------------------------------------------------------------
@@ -275,22 +314,33 @@ class Batch:
         if first.kind == _COPY:
             run = first.run
             assert run is not None and first.mapping is not None
-            if run.rows:
-                yield BatchStatement(None, _copy_sql(first.mapping), [], [], run.rows, run.data)
+            if run.rows:  # type: ignore[union-attr]
+                yield BatchStatement(None, _copy_sql(first.mapping), [], [], run.rows,  # type: ignore[union-attr]
+                                     run.data)  # type: ignore[union-attr]
+            return
+        if first.kind == _UPDATES:
+            yield from self._updates(first)
             return
         if first.kind == _INSERT and len(run) >= COPY_MIN_ROWS:
             copy = self._copy(run)
             if copy is not None:
                 yield copy
                 return
-        per_row = self._params_per_row(first)
-        largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
-        position = 0
-        while position < len(run):
-            size = next(step for step in (largest, *_LADDER) if step <= largest and step <= len(run) - position)
-            chunk = run[position:position + size]
-            position += size
-            yield self._chunk(chunk)
+        for position, size in _chunks(len(run), self._params_per_row(first)):
+            yield self._chunk(run[position:position + size])
+
+    def _updates(self, op: _Op) -> Iterator[BatchStatement]:
+        """An UpdateRun's rows as multi-row UPDATEs by key, shaped (and so prepared) as those of
+        the ordinary path's updates of every column."""
+        run: UpdateRun = op.run  # type: ignore[assignment]
+        mapping = op.mapping
+        assert mapping is not None
+        keys = mapping.key_positions
+        shape = (_UPDATE, mapping.relation.relation_id, _every_column(run.columns), NEW, keys, True, True)
+        for position, size in _chunks(len(run), run.columns + len(keys)):
+            values = run.params(position, position + size)
+            yield BatchStatement((shape, size), self._update_text(mapping, shape, size), values,
+                                 [0] * len(values), size)
 
     @staticmethod
     def _copy(run: list[_Op]) -> BatchStatement | None:
@@ -339,10 +389,7 @@ class Batch:
                 _collect(op.row, assigned, values, formats)
                 _collect(op.old if source == OLD else op.row, key_positions, values, formats)
             if sql is None:
-                sql = _update_sql(mapping, assigned, key_positions, rows, by_key)
-                if self._guard is not None:
-                    sql += " AND " + self._guard("t.xmin" if rows > 1 else "xmin")
-                self._sql[sql_key] = sql
+                sql = self._update_text(mapping, first.shape, rows)
         else:
             positions, by_key = first.shape[2], first.shape[3]
             for op in chunk:
@@ -350,6 +397,28 @@ class Batch:
             if sql is None:
                 sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
         return BatchStatement(sql_key, sql, values, formats, rows)
+
+    def _update_text(self, mapping: RelationMapping, shape: tuple, rows: int) -> str:
+        sql_key = (shape, rows)
+        sql = self._sql.get(sql_key)
+        if sql is None:
+            _, _, assigned, _, key_positions, by_key, _ = shape
+            sql = _update_sql(mapping, assigned, key_positions, rows, by_key)
+            if self._guard is not None:
+                sql += " AND " + self._guard("t.xmin" if rows > 1 else "xmin")
+            self._sql[sql_key] = sql
+        return sql
+
+
+def _chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
+    """(position, size) of the multi-row statements for ``count`` rows: the largest ladder step
+    that fits, under PostgreSQL's limit on parameters per statement."""
+    largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
+    position = 0
+    while position < count:
+        size = next(step for step in (largest, *_LADDER) if step <= largest and step <= count - position)
+        yield position, size
+        position += size
 
 
 def _copy_sql(mapping: RelationMapping) -> str:

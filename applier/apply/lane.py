@@ -1,12 +1,15 @@
-"""The insert lane: plain transactions of inserts, from the received payloads straight to COPY text.
+"""The insert lane: plain transactions of inserts and updates, from the received payloads
+straight into the batch.
 
-Owns deciding when the C lane (``_speedups.Lane``) may take payloads and handing what it took to
-the sink: the rows it wrote into the batch's runs (``batch.Run``, one per independent table), the
-transactions it saw commit and the last of them (the progress row names it), a part that is due,
-a batch that is full. A stream of small insert transactions or one large one is then mostly C: no
-message object, no per-row call. Whatever the lane does not take (any other message, a table it
-may not write, a value not in text, anything malformed) it leaves where it stopped, and the
-ordinary path (decoder, assembler, sink) takes it, so every check and error stays there.
+Owns deciding when the C lane (``_lane.Lane``) may take payloads and handing what it took to the
+sink: the rows it wrote into the batch's open runs (``batch.Run``: inserts as COPY text;
+``batch.UpdateRun``: updates of every column by key, folded), the transactions it saw commit and
+the last of them (the progress row names it), a part that is due, a batch that is full. A stream
+of small transactions (pgbench's, single-row inserts) or one large one is then mostly C: no
+message object, no call per change. Whatever the lane does not take (any other message, a table
+it may not write, an update of part of a row or of its key, a value not in text, anything
+malformed) it leaves where it stopped, and the ordinary path (decoder, assembler, sink) takes it,
+so every check and error stays there.
 
 Must never hold a transaction across a return: one still open when the C lane stops is handed
 back (its Begin fed to the assembler), so the ordinary path finishes it and a batch is never
@@ -24,6 +27,8 @@ from ..assembler import TransactionEnd
 from ..protocol.decoder import decode
 from ..protocol.messages import Commit
 
+from .batch import Run, UpdateRun
+
 if TYPE_CHECKING:
     from .sink import TargetApplier
 
@@ -31,14 +36,16 @@ __all__ = ["InsertLane", "insert_lane"]
 
 #: Why ``Lane.take`` stopped (``_speedups.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
-_BEGIN, _INSERT = ord("B"), ord("I")
+_BEGIN, _INSERT, _UPDATE = ord("B"), ord("I"), ord("U")
 
 
 class InsertLane:
-    def __init__(self, lane_type: type, run_type: Callable[[int], object], sink: TargetApplier) -> None:
+    def __init__(self, lane_type: type, run_type: Callable[[int], Run],
+                 update_run_type: Callable[[int, tuple[int, ...]], UpdateRun], sink: TargetApplier) -> None:
         self._sink = sink
         self._lane = lane_type(sink.batch_runs)
         self._make_run = run_type
+        self._make_update_run = update_run_type
 
     def take(self, payloads: list[bytes], start: int, *,
              hand_back: Callable[[bytes], None] | None = None, streamed: bool = False) -> int:
@@ -48,10 +55,10 @@ class InsertLane:
         open when the lane stops goes to ``hand_back`` (its Begin payload) and the ordinary path
         takes it on. None: the sink is inside a transaction (a plain one received, or a streamed
         one replayed from its stream blocks: ``streamed``, whose changes carry their xid), so
-        take only its inserts."""
+        take only its inserts and updates."""
         kind = payloads[start][0]
         whole = hand_back is not None
-        if kind != _INSERT and (kind != _BEGIN or not whole):
+        if kind != _INSERT and kind != _UPDATE and (kind != _BEGIN or not whole):
             return start
         lane, sink = self._lane, self._sink
         lane.streamed = streamed
@@ -69,7 +76,7 @@ class InsertLane:
                 assert isinstance(commit, Commit)
                 last = TransactionEnd(lane.xid, commit.commit_lsn, commit.end_lsn, commit.commit_time,
                                       streamed=False, gid=None)
-            sink.lane_took(lane.rows, lane.bytes, lane.transactions, last)
+            sink.lane_took(lane.inserts, lane.updates, lane.bytes, lane.transactions, last)
             if lane.begin is not None:
                 assert hand_back is not None
                 hand_back(lane.begin)  # that transaction continues on the ordinary path
@@ -81,7 +88,8 @@ class InsertLane:
                 sink.send_part()
             elif reason == _LIMIT:
                 sink.flush()
-            elif reason != _NO_RUN or not sink.lane_run(lane.relation, self._make_run):
+            elif reason != _NO_RUN or not sink.lane_run(
+                    lane.relation, self._make_run, self._make_update_run if lane.kind == _UPDATE else None):
                 return index
         return index
 
@@ -92,7 +100,7 @@ def insert_lane(sink: TargetApplier) -> InsertLane | None:
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
         return None
     try:
-        from ..protocol import _speedups  # type: ignore[attr-defined]  # built only with a compiler
+        from . import _lane  # type: ignore[attr-defined]  # built only with a compiler
     except ImportError:
         return None
-    return InsertLane(_speedups.Lane, _speedups.Run, sink)
+    return InsertLane(_lane.Lane, _lane.Run, _lane.UpdateRun, sink)

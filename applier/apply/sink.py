@@ -38,7 +38,7 @@ from ..protocol.messages import (
 )
 from ..assembler import Change, TransactionEnd, TransactionStart
 from ..sync.state import SyncFilter
-from .batch import Batch, Run
+from .batch import Batch, Run, UpdateRun
 from .divert import Discard, Divert
 from .extensions import Extensions, default_extensions
 from .lane import InsertLane, insert_lane
@@ -149,8 +149,8 @@ class TargetApplier:
         self._divert: Divert | None = None
         self._progress_sql = self.extensions.progress_sql or PROGRESS_SQL
         self.current_origin: Origin | None = None
-        #: Plain transactions of inserts, and the inserts of any fast-path transaction, taken
-        #: straight from their payloads (None without the C accelerator).
+        #: Plain transactions of inserts and updates, and those changes of any fast-path
+        #: transaction, taken straight from their payloads (None without the C accelerator).
         self.lane: InsertLane | None = insert_lane(self)
 
     @property
@@ -483,7 +483,8 @@ class TargetApplier:
             self._message(msg)  # type: ignore[arg-type]
 
     def take_changes(self, payloads: list[bytes], start: int) -> int:
-        """A replayed streamed transaction's inserts go through the lane where it takes them."""
+        """A replayed streamed transaction's inserts and updates go through the lane where it
+        takes them."""
         lane = self.lane
         return start if lane is None else lane.take(payloads, start, streamed=True)
 
@@ -615,10 +616,12 @@ class TargetApplier:
         return (max(self.applied.commit_lsn, self.careful_until), min(PART_ROWS, limits.rows) - batch.rows,
                 limits.rows - self._sent_rows - batch.rows, limits.bytes - batch.bytes)
 
-    def lane_run(self, relation_id: int, make_run: Callable[[int], Run]) -> bool:
-        """Give the relation's inserts a run in the batch if its table can take them: a table
-        independent of others, every column mapped. False: the ordinary path takes them (and
-        reports what is wrong with the relation, if anything)."""
+    def lane_run(self, relation_id: int, make_run: Callable[[int], Run],
+                 make_update_run: Callable[[int, tuple[int, ...]], UpdateRun] | None) -> bool:
+        """Give the relation's inserts (or, with ``make_update_run``, its updates) a run in the
+        batch if its table can take them: a table independent of others (and for updates, one
+        with a key: not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes them
+        (and reports what is wrong with the relation, if anything)."""
         if relation_id not in self.relations:
             return False
         try:
@@ -627,17 +630,24 @@ class TargetApplier:
             return False
         if not mapping.table.independent:
             return False
-        self._batch.open_run(mapping, make_run(len(mapping.target_columns)))
+        columns = len(mapping.target_columns)
+        if make_update_run is None:
+            self._batch.open_run(mapping, make_run(columns), updates=False)
+        elif mapping.key_positions and not mapping.full_identity:
+            self._batch.open_run(mapping, make_update_run(columns, mapping.key_positions), updates=True)
+        else:
+            return False
         return True
 
-    def lane_took(self, rows: int, value_bytes: int, transactions: int,
+    def lane_took(self, inserts: int, updates: int, value_bytes: int, transactions: int,
                   last: TransactionEnd | None) -> None:
-        """Count what the lane took, as ``insert`` and ``commit`` count the ordinary path's."""
+        """Count what the lane took, as ``change`` and ``commit`` count the ordinary path's."""
         batch = self._batch
-        batch.rows += rows
+        batch.rows += inserts + updates
         batch.bytes += value_bytes
         counts = self._pending_counts
-        counts["insert"] += rows
+        counts["insert"] += inserts
+        counts["update"] += updates
         if transactions:
             counts["transactions"] += transactions
             self._batch_last = last

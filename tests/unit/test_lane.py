@@ -1,4 +1,4 @@
-"""The insert lane's C core (``_speedups.Lane``): what it takes from received payloads, the COPY
+"""The insert lane's C core (``_lane.Lane``): what it takes from received payloads, the COPY
 text it writes, and where (and why) it stops, leaving the rest to the ordinary path."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 
 from applier.apply.copy import copy_text_pure
 from applier.protocol.decoder import ACCELERATED, decode_pure
+from applier.protocol.messages import UNCHANGED_TOAST
 
 import pgoutput_builder as pg
 
@@ -18,18 +19,18 @@ END, FOREIGN, NO_RUN, PART, LIMIT = 0, 1, 2, 3, 4
 BIG = 1 << 40
 
 
-def _lane(runs: dict, *, whole: bool = True, after: int = 0, part: int = BIG, rows: int = BIG,
+def _make_lane(runs: dict, *, whole: bool = True, after: int = 0, part: int = BIG, rows: int = BIG,
           size: int = BIG, streamed: bool = False):
-    from applier.protocol import _speedups  # type: ignore[attr-defined]
-    lane = _speedups.Lane(runs)
+    from applier.apply import _lane  # type: ignore[attr-defined]
+    lane = _lane.Lane(runs)
     lane.whole, lane.after, lane.streamed = whole, after, streamed
     lane.part_room, lane.rows_room, lane.bytes_room = part, rows, size
     return lane
 
 
 def _run(columns: int):
-    from applier.protocol import _speedups  # type: ignore[attr-defined]
-    return _speedups.Run(columns)
+    from applier.apply import _lane  # type: ignore[attr-defined]
+    return _lane.Run(columns)
 
 
 def _txn(final: int, xid: int, *inserts: bytes) -> list[bytes]:
@@ -40,12 +41,12 @@ def test_whole_transactions_become_copy_lines_of_their_tables() -> None:
     runs = {7: _run(2), 8: _run(1)}
     payloads = (_txn(0x100, 500, pg.insert(7, [b"1", b"a\tb\\c\nd\re"]), pg.insert(8, [None]))
                 + _txn(0x200, 501, pg.insert(7, [b"2", None])))
-    lane = _lane(runs)
+    lane = _make_lane(runs)
     assert lane.take(payloads, 0) == len(payloads)
     assert lane.reason == END and lane.begin is None
     assert bytes(runs[7].data) == b"1\ta\\tb\\\\c\\nd\\re\n2\t\\N\n" and runs[7].rows == 2
     assert bytes(runs[8].data) == b"\\N\n" and runs[8].rows == 1
-    assert (lane.rows, lane.transactions, lane.xid) == (3, 2, 501)
+    assert (lane.inserts, lane.updates, lane.transactions, lane.xid) == (3, 0, 2, 501)
     assert lane.bytes == len(b"1") + len(b"a\tb\\c\nd\re") + len(b"2")
     assert lane.commit == payloads[-1]
 
@@ -57,27 +58,27 @@ def test_copy_text_agrees_with_the_reference_on_random_values() -> None:
              for _ in range(3)] for _ in range(200)]
     runs = {3: _run(3)}
     payloads = _txn(0x300, 9, *(pg.insert(3, row) for row in rows))
-    assert _lane(runs).take(payloads, 0) == len(payloads)
+    assert _make_lane(runs).take(payloads, 0) == len(payloads)
     assert bytes(runs[3].data) == copy_text_pure([decode_pure(p).new_tuple.values for p in payloads[1:-1]])
 
 
 def test_a_transaction_that_goes_on_with_another_change_is_handed_back_where_it_stopped() -> None:
     runs = {7: _run(1)}
-    payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.update(7, [b"1"]), pg.insert(7, [b"2"]))
-    lane = _lane(runs)
+    payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.delete(7, [b"1"]), pg.insert(7, [b"2"]))
+    lane = _make_lane(runs)
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN
     assert lane.begin == payloads[0] and lane.transactions == 0 and runs[7].rows == 1
 
 
-def test_a_transaction_not_starting_with_inserts_is_left_whole() -> None:
-    payloads = _txn(0x100, 500, pg.update(7, [b"1"]))
-    lane = _lane({7: _run(1)})
+def test_a_transaction_not_starting_with_an_insert_or_update_is_left_whole() -> None:
+    payloads = _txn(0x100, 500, pg.delete(7, [b"1"]))
+    lane = _make_lane({7: _run(1)})
     assert lane.take(payloads, 0) == 0 and lane.reason == FOREIGN and lane.begin is None
 
 
 def test_a_relation_without_a_run_stops_the_lane_and_names_it() -> None:
     payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.insert(9, [b"x"]))
-    lane = _lane({7: _run(1)})
+    lane = _make_lane({7: _run(1)})
     assert lane.take(payloads, 0) == 2
     assert (lane.reason, lane.relation, lane.begin) == (NO_RUN, 9, payloads[0])
 
@@ -91,41 +92,105 @@ def test_a_relation_without_a_run_stops_the_lane_and_names_it() -> None:
 def test_anything_but_a_well_formed_text_insert_of_the_run_is_left_untouched(payload: bytes) -> None:
     runs = {7: _run(1)}
     payloads = _txn(0x100, 500, pg.insert(7, [b"0"]), payload)
-    lane = _lane(runs)
+    lane = _make_lane(runs)
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN
     assert bytes(runs[7].data) == b"0\n" and runs[7].rows == 1  # nothing of the refused row
 
 
 def test_a_due_part_stops_right_after_the_insert() -> None:
     payloads = _txn(0x100, 500, *(pg.insert(7, [b"%d" % i]) for i in range(5)))
-    lane = _lane({7: _run(1)}, part=2)
-    assert lane.take(payloads, 0) == 3 and (lane.reason, lane.rows, lane.begin) == (PART, 2, payloads[0])
+    lane = _make_lane({7: _run(1)}, part=2)
+    assert lane.take(payloads, 0) == 3 and (lane.reason, lane.inserts, lane.begin) == (PART, 2, payloads[0])
 
 
 def test_a_full_batch_stops_right_after_the_commit() -> None:
     payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.insert(7, [b"2"])) + _txn(0x200, 501, pg.insert(7, [b"3"]))
-    lane = _lane({7: _run(1)}, rows=2)
+    lane = _make_lane({7: _run(1)}, rows=2)
     assert lane.take(payloads, 0) == 4 and (lane.reason, lane.transactions, lane.begin) == (LIMIT, 1, None)
-    lane = _lane({7: _run(1)}, size=1)  # bytes held make a part due, as rows do
+    lane = _make_lane({7: _run(1)}, size=1)  # bytes held make a part due, as rows do
     assert lane.take(payloads, 0) == 2 and lane.reason == PART
 
 
 def test_a_transaction_at_or_below_the_applied_position_is_left_to_the_ordinary_path() -> None:
     payloads = _txn(0x100, 500, pg.insert(7, [b"1"]))
-    lane = _lane({7: _run(1)}, after=0x100)
+    lane = _make_lane({7: _run(1)}, after=0x100)
     assert lane.take(payloads, 0) == 0 and lane.reason == FOREIGN
 
 
 def test_a_commit_that_does_not_match_its_begin_is_left_for_the_ordinary_path_to_report() -> None:
     payloads = [pg.begin(0x100, 1000, 500), pg.insert(7, [b"1"]), pg.commit(0, 0x180, 0x188, 1000)]
-    lane = _lane({7: _run(1)})
+    lane = _make_lane({7: _run(1)})
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN and lane.begin == payloads[0]
 
 
-def test_inside_a_transaction_only_inserts_are_taken() -> None:
+def test_inside_a_transaction_only_its_changes_are_taken() -> None:
     payloads = [pg.insert(7, [b"1"], xid=44), pg.insert(7, [b"2"], xid=44), pg.delete(7, [b"1"], xid=44)]
     runs = {7: _run(1)}
-    lane = _lane(runs, whole=False, streamed=True)
+    lane = _make_lane(runs, whole=False, streamed=True)
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN and lane.begin is None
     assert bytes(runs[7].data) == b"1\n2\n"
-    assert _lane(runs, whole=False).take([pg.begin(0x100, 1000, 5)], 0) == 0  # no Begin inside
+    assert _make_lane(runs, whole=False).take([pg.begin(0x100, 1000, 5)], 0) == 0  # no Begin inside
+
+
+def _update_run(columns: int, keys: tuple[int, ...]):
+    from applier.apply import _lane  # type: ignore[attr-defined]
+    return _lane.UpdateRun(columns, keys)
+
+
+def test_updates_of_every_column_fold_by_key_into_their_tables_update_run() -> None:
+    runs = {7: _update_run(3, (0,))}
+    payloads = (_txn(0x100, 500, pg.update(7, [b"1", b"a", None]), pg.update(7, [b"2", b"b", b"x"]))
+                + _txn(0x200, 501, pg.update(7, [b"1", b"c", b"y"])))
+    lane = _make_lane(runs)
+    assert lane.take(payloads, 0) == len(payloads) and lane.reason == END
+    assert (lane.updates, lane.inserts, lane.transactions) == (3, 0, 2)
+    run = runs[7]
+    assert (len(run), run.changes) == (2, 3)  # the second update of key 1 replaced the first
+    assert run.params(0, 2) == [b"1", b"c", b"y", b"1", b"2", b"b", b"x", b"2"]  # columns, then key
+    assert run.params(1, 2) == [b"2", b"b", b"x", b"2"]
+
+
+@pytest.mark.parametrize("payload", [
+    pg.update(7, [b"1", b"a"], old=[b"9", None]),           # the key changed: old key sent
+    pg.update(7, [b"1", UNCHANGED_TOAST]),                  # a value not sent (TOAST)
+    pg.update(7, [b"1", pg.Binary(b"\x01")]),               # binary
+])
+def test_updates_of_part_of_a_row_or_of_its_key_are_left_to_the_ordinary_path(payload: bytes) -> None:
+    runs = {7: _update_run(2, (0,))}
+    lane = _make_lane(runs)
+    assert lane.take(_txn(0x100, 500, pg.update(7, [b"5", b"e"]), payload), 0) == 2
+    assert lane.reason == FOREIGN and len(runs[7]) == 1
+
+
+def test_a_change_without_a_run_of_its_kind_names_relation_and_kind() -> None:
+    lane = _make_lane({7: _run(2)})
+    assert lane.take(_txn(0x100, 500, pg.update(7, [b"1", b"a"])), 0) == 1
+    assert (lane.reason, lane.relation, chr(lane.kind)) == (NO_RUN, 7, "U")
+
+
+def test_an_update_run_in_the_batch_becomes_multi_row_updates_by_key() -> None:
+    from applier.apply.batch import Batch
+    from applier.apply.relations import TargetColumn, TargetTable, map_relation
+    from applier.protocol.messages import Relation, RelationColumn, TupleData
+
+    relation = Relation(None, 7, "public", "acc", "d", (RelationColumn(1, "id", 23, -1),
+                                                         RelationColumn(0, "bal", 23, -1)))
+    table = TargetTable("public", "acc", {"id": TargetColumn("id", "integer", False, True),
+                                          "bal": TargetColumn("bal", "integer", False, True)},
+                        ("id",), False, True)
+    mapping = map_relation(relation, table)
+    batch = Batch()
+    run = _update_run(2, (0,))
+    batch.open_run(mapping, run, updates=True)
+    for key in range(1, 10):
+        run.add((b"%d" % key, b"10"))                        # as the lane records them
+    batch.update(mapping, TupleData(b"tt", (b"1", b"11")), None)  # the ordinary path joins the run
+    batch.update(mapping, TupleData(b"tt", (b"10", b"20")), None)
+    batch.insert(mapping, TupleData(b"tt", (b"30", b"30")))  # an insert ends the run
+    batch.update(mapping, TupleData(b"tt", (b"30", b"31")), None)
+    update, insert = batch.statements()  # ten rows: one statement; the insert takes its update
+    assert update.sql.startswith('UPDATE "public"."acc" AS t SET "id" = v.v0, "bal" = v.v1 FROM (VALUES')
+    assert update.expected_rows == 10 and update.formats == [0] * 30
+    assert update.values[:6] == [b"1", b"11", b"1", b"2", b"10", b"2"]
+    assert update.values[-3:] == [b"10", b"20", b"10"]
+    assert insert.sql.startswith('INSERT INTO "public"."acc"') and insert.values == [b"30", b"31"]

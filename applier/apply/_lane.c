@@ -1,0 +1,652 @@
+/*
+ * C core of the insert lane (applier/apply/lane.py drives it; the name stayed when it learned
+ * updates): plain transactions made of Begin, Inserts, Updates and Commit, taken straight from
+ * the received payloads into the batch's open runs, with no message object built.
+ *
+ * A run belongs to one table, which the apply stage opened it for (the batch's open runs, a dict
+ * by relation id, shared with the lane):
+ * - Run: inserts, as COPY text lines;
+ * - UpdateRun: updates that carry every column and keep their key, as rows of values folded by
+ *   key (a later update of a row replaces the earlier one: both set every column).
+ *
+ * The lane takes what it is sure of and stops at the first payload it is not, saying why
+ * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
+ * reports every malformed message, so the lane has no errors of its own. It keeps no state
+ * between calls: a transaction still open when it returns is handed back through ``begin``.
+ *
+ * Owns nothing but speed: without it (no compiler, or APPLIER_PURE_PYTHON=1) the ordinary path
+ * takes everything, with the same outcome on the target.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+#include "../protocol/_wire.h"
+
+/* ---- Run: inserts as COPY text ---------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *data;          /* bytearray: COPY text lines */
+    Py_ssize_t columns;      /* values per row */
+    Py_ssize_t rows;         /* lines in data */
+} RunObject;
+
+static PyObject *
+run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t columns;
+    RunObject *self;
+    static char *keywords[] = {"columns", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", keywords, &columns))
+        return NULL;
+    if (columns < 1) {
+        PyErr_SetString(PyExc_ValueError, "Run(columns): at least one column");
+        return NULL;
+    }
+    self = (RunObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->data = PyByteArray_FromStringAndSize(NULL, 0);
+    if (self->data == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->columns = columns;
+    return (PyObject *)self;
+}
+
+static void
+run_dealloc(RunObject *self)
+{
+    Py_XDECREF(self->data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef run_members[] = {
+    {"data", T_OBJECT_EX, offsetof(RunObject, data), READONLY, "the rows as COPY text (bytearray)"},
+    {"columns", T_PYSSIZET, offsetof(RunObject, columns), READONLY, "values per row"},
+    {"rows", T_PYSSIZET, offsetof(RunObject, rows), 0, "rows in data"},
+    {NULL},
+};
+
+static PyTypeObject RunType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "applier.apply._lane.Run",
+    .tp_basicsize = sizeof(RunObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Run(columns)\n--\n\nInserts into one table, as COPY text lines.",
+    .tp_new = run_new,
+    .tp_dealloc = (destructor)run_dealloc,
+    .tp_members = run_members,
+};
+
+/* ---- UpdateRun: updates by key, folded ------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t columns;      /* values per row */
+    PyObject *keys;          /* tuple of int: positions of the key columns */
+    Py_ssize_t *key_at;      /* the same, for C */
+    Py_ssize_t nkeys;
+    PyObject *rows;          /* list of tuples (bytes or None), one per key, in first-seen order */
+    PyObject *index;         /* dict: key values (tuple) -> position in rows */
+    Py_ssize_t changes;      /* updates recorded, folded ones included */
+} UpdateRunObject;
+
+static PyObject *
+update_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    Py_ssize_t columns, i;
+    PyObject *keys;
+    UpdateRunObject *self;
+    static char *keywords[] = {"columns", "keys", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!", keywords, &columns, &PyTuple_Type, &keys))
+        return NULL;
+    if (columns < 1 || PyTuple_GET_SIZE(keys) < 1) {
+        PyErr_SetString(PyExc_ValueError, "UpdateRun(columns, keys): at least one column and one key");
+        return NULL;
+    }
+    self = (UpdateRunObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->columns = columns;
+    self->keys = Py_NewRef(keys);
+    self->nkeys = PyTuple_GET_SIZE(keys);
+    self->key_at = PyMem_New(Py_ssize_t, self->nkeys);
+    self->rows = PyList_New(0);
+    self->index = PyDict_New();
+    if (self->key_at == NULL || self->rows == NULL || self->index == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    for (i = 0; i < self->nkeys; i++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(keys, i));
+        if (at == -1 && PyErr_Occurred()) {
+            Py_DECREF(self);
+            return NULL;
+        }
+        if (at < 0 || at >= columns) {
+            PyErr_SetString(PyExc_ValueError, "UpdateRun(columns, keys): a key position out of range");
+            Py_DECREF(self);
+            return NULL;
+        }
+        self->key_at[i] = at;
+    }
+    return (PyObject *)self;
+}
+
+static void
+update_run_dealloc(UpdateRunObject *self)
+{
+    Py_XDECREF(self->keys);
+    Py_XDECREF(self->rows);
+    Py_XDECREF(self->index);
+    PyMem_Free(self->key_at);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Record one row (a tuple of columns values, stolen); a row of the same key is replaced. */
+static int
+update_run_put(UpdateRunObject *self, PyObject *row)
+{
+    PyObject *key, *found;
+    Py_ssize_t i;
+    key = PyTuple_New(self->nkeys);
+    if (key == NULL) {
+        Py_DECREF(row);
+        return -1;
+    }
+    for (i = 0; i < self->nkeys; i++)
+        PyTuple_SET_ITEM(key, i, Py_NewRef(PyTuple_GET_ITEM(row, self->key_at[i])));
+    found = PyDict_GetItemWithError(self->index, key);
+    if (found != NULL) {
+        Py_ssize_t at = PyLong_AsSsize_t(found);
+        Py_DECREF(key);
+        if (at == -1 && PyErr_Occurred()) {
+            Py_DECREF(row);
+            return -1;
+        }
+        self->changes++;
+        return PyList_SetItem(self->rows, at, row);  /* steals row */
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(key);
+        Py_DECREF(row);
+        return -1;
+    }
+    found = PyLong_FromSsize_t(PyList_GET_SIZE(self->rows));
+    if (found == NULL || PyDict_SetItem(self->index, key, found) < 0
+        || PyList_Append(self->rows, row) < 0) {
+        Py_XDECREF(found);
+        Py_DECREF(key);
+        Py_DECREF(row);
+        return -1;
+    }
+    Py_DECREF(found);
+    Py_DECREF(key);
+    Py_DECREF(row);
+    self->changes++;
+    return 0;
+}
+
+/* add(values): the ordinary path's update of every column (a tuple of bytes or None). */
+static PyObject *
+update_run_add(UpdateRunObject *self, PyObject *values)
+{
+    if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != self->columns) {
+        PyErr_SetString(PyExc_TypeError, "UpdateRun.add(values): a tuple of every column's value");
+        return NULL;
+    }
+    if (update_run_put(self, Py_NewRef(values)) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* params(start, stop): the statement parameters of rows [start, stop): each row's columns, then
+ * its key's (UPDATE ... FROM (VALUES ...) sets every column where the key matches). */
+static PyObject *
+update_run_params(UpdateRunObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t start, stop, r, c, n = 0, width = self->columns + self->nkeys;
+    PyObject *out;
+    if (nargs != 2)
+        return PyErr_Format(PyExc_TypeError, "params(start, stop)");
+    start = PyLong_AsSsize_t(args[0]);
+    stop = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (start < 0 || stop > PyList_GET_SIZE(self->rows) || start > stop)
+        return PyErr_Format(PyExc_IndexError, "params(): rows %zd..%zd out of range", start, stop);
+    out = PyList_New((stop - start) * width);
+    if (out == NULL)
+        return NULL;
+    for (r = start; r < stop; r++) {
+        PyObject *row = PyList_GET_ITEM(self->rows, r);
+        for (c = 0; c < self->columns; c++)
+            PyList_SET_ITEM(out, n++, Py_NewRef(PyTuple_GET_ITEM(row, c)));
+        for (c = 0; c < self->nkeys; c++)
+            PyList_SET_ITEM(out, n++, Py_NewRef(PyTuple_GET_ITEM(row, self->key_at[c])));
+    }
+    return out;
+}
+
+static Py_ssize_t
+update_run_len(UpdateRunObject *self)
+{
+    return PyList_GET_SIZE(self->rows);
+}
+
+static PyMemberDef update_run_members[] = {
+    {"columns", T_PYSSIZET, offsetof(UpdateRunObject, columns), READONLY, "values per row"},
+    {"keys", T_OBJECT_EX, offsetof(UpdateRunObject, keys), READONLY, "key column positions"},
+    {"changes", T_PYSSIZET, offsetof(UpdateRunObject, changes), READONLY,
+     "updates recorded, folded ones included"},
+    {NULL},
+};
+
+static PyMethodDef update_run_methods[] = {
+    {"add", (PyCFunction)update_run_add, METH_O,
+     "add(values)\n--\n\nRecord an update of every column (replacing one of the same key)."},
+    {"params", (PyCFunction)(void (*)(void))update_run_params, METH_FASTCALL,
+     "params(start, stop)\n--\n\nStatement parameters of rows start..stop: columns, then key."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods update_run_sequence = {
+    .sq_length = (lenfunc)update_run_len,
+};
+
+static PyTypeObject UpdateRunType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "applier.apply._lane.UpdateRun",
+    .tp_basicsize = sizeof(UpdateRunObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "UpdateRun(columns, keys)\n--\n\nUpdates of every column of one table, folded by "
+              "key; len() is the rows it will update.",
+    .tp_new = update_run_new,
+    .tp_dealloc = (destructor)update_run_dealloc,
+    .tp_members = update_run_members,
+    .tp_methods = update_run_methods,
+    .tp_as_sequence = &update_run_sequence,
+};
+
+/* ---- Lane ------------------------------------------------------------------------------------ */
+
+/* Why take() returned. */
+enum { LANE_END = 0, LANE_FOREIGN = 1, LANE_NO_RUN = 2, LANE_PART = 3, LANE_LIMIT = 4 };
+/* A change's outcome. */
+enum { TAKEN = 0, REFUSED = 1, NO_RUN = 2, FAILED = -1 };
+
+typedef struct {
+    PyObject_HEAD
+    /* set by the caller before take() */
+    PyObject *runs;              /* dict: relation id -> Run or UpdateRun */
+    int whole;                   /* take whole transactions (else only changes of an open one) */
+    int streamed;                /* the payloads come from a stream block: changes carry an xid */
+    unsigned long long after;    /* take a Begin only with a final LSN above this */
+    Py_ssize_t part_room;        /* rows, then stop: a part is due */
+    Py_ssize_t rows_room;        /* rows, then stop after the Commit: the batch is full */
+    Py_ssize_t bytes_room;       /* bytes of values, likewise */
+    /* the outcome of the last take() */
+    int reason;
+    Py_ssize_t inserts, updates, bytes, transactions;
+    unsigned int relation;       /* LANE_NO_RUN: the relation that has no run of that kind */
+    int kind;                    /* LANE_NO_RUN: 'I' or 'U' */
+    unsigned int xid;            /* xid of the last transaction committed */
+    PyObject *commit;            /* the last Commit payload taken, or None */
+    PyObject *begin;             /* the Begin payload of a transaction left open, or None */
+    /* within one take(): the run last found */
+    PyObject *cached_run;
+    unsigned int cached_relation;
+} LaneObject;
+
+static int
+lane_init(LaneObject *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *runs;
+    static char *keywords[] = {"runs", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!", keywords, &PyDict_Type, &runs))
+        return -1;
+    Py_XSETREF(self->runs, Py_NewRef(runs));
+    Py_XSETREF(self->commit, Py_NewRef(Py_None));
+    Py_XSETREF(self->begin, Py_NewRef(Py_None));
+    return 0;
+}
+
+static void
+lane_dealloc(LaneObject *self)
+{
+    Py_XDECREF(self->runs);
+    Py_XDECREF(self->commit);
+    Py_XDECREF(self->begin);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The open run of the relation, if it is of the given type (borrowed), else NULL with
+ * self->relation set; NULL with an exception on a Python error. */
+static PyObject *
+find_run(LaneObject *self, unsigned int relation, PyTypeObject *type)
+{
+    PyObject *key, *found;
+    if (self->cached_run != NULL && relation == self->cached_relation)
+        found = self->cached_run;
+    else {
+        key = PyLong_FromUnsignedLong(relation);
+        if (key == NULL)
+            return NULL;
+        found = PyDict_GetItemWithError(self->runs, key);
+        Py_DECREF(key);
+        if (found == NULL && PyErr_Occurred())
+            return NULL;
+        self->cached_run = found;
+        self->cached_relation = relation;
+    }
+    if (found == NULL || Py_TYPE(found) != type) {
+        self->relation = relation;
+        return NULL;
+    }
+    return found;
+}
+
+/* The tuple at p (after 'N'): every value in text or NULL, exactly natts of them, nothing after.
+ * Returns the end position, or -1; *value_bytes gets the bytes of the values and, when size is
+ * not NULL, *size their COPY text size (tabs and newline included). */
+static Py_ssize_t
+check_tuple(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t natts,
+            Py_ssize_t *value_bytes, Py_ssize_t *size)
+{
+    Py_ssize_t c, copy = natts;
+    *value_bytes = 0;
+    for (c = 0; c < natts; c++) {
+        if (pos >= len)
+            return -1;
+        if (p[pos] == 'n') {
+            pos++;
+            copy += 2;
+        }
+        else if (p[pos] == 't') {
+            Py_ssize_t n;
+            if (pos + 5 > len)
+                return -1;
+            n = be32(p + pos + 1);
+            pos += 5;
+            if (n > len - pos)
+                return -1;
+            if (size != NULL)
+                copy += escaped_size((const char *)p + pos, n);
+            *value_bytes += n;
+            pos += n;
+        }
+        else {
+            return -1;  /* binary ('b') or unchanged TOAST ('u'): the ordinary path's */
+        }
+    }
+    if (pos != len)
+        return -1;
+    if (size != NULL)
+        *size = copy;
+    return pos;
+}
+
+/* An Insert ('I', [xid], relation id, 'N', tuple) as a COPY line of its table's Run. */
+static int
+lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
+{
+    Py_ssize_t natts, c, pos, size, value_bytes, old;
+    RunObject *run;
+    char *out;
+
+    if (len < 8 || p[5] != 'N')
+        return REFUSED;
+    run = (RunObject *)find_run(self, be32(p + 1), &RunType);
+    if (run == NULL)
+        return PyErr_Occurred() ? FAILED : NO_RUN;
+    natts = be16(p + 6);
+    if (natts != run->columns || check_tuple(p, len, 8, natts, &value_bytes, &size) < 0)
+        return REFUSED;
+    old = PyByteArray_GET_SIZE(run->data);
+    if (PyByteArray_Resize(run->data, old + size) < 0)
+        return FAILED;
+    out = PyByteArray_AS_STRING(run->data) + old;
+    pos = 8;
+    for (c = 0; c < natts; c++) {
+        if (p[pos] == 'n') {
+            pos++;
+            *out++ = '\\';
+            *out++ = 'N';
+        }
+        else {
+            Py_ssize_t n = be32(p + pos + 1);
+            pos += 5;
+            out = escape_into(out, (const char *)p + pos, n);
+            pos += n;
+        }
+        *out++ = c + 1 < natts ? '\t' : '\n';
+    }
+    run->rows++;
+    self->inserts++;
+    self->bytes += value_bytes;
+    return TAKEN;
+}
+
+/* An Update that keeps its key and sends every column ('U', [xid], relation id, 'N', tuple: no
+ * old key or row) as a row of its table's UpdateRun. */
+static int
+lane_update(LaneObject *self, const unsigned char *p, Py_ssize_t len)
+{
+    Py_ssize_t natts, c, pos, value_bytes;
+    UpdateRunObject *run;
+    PyObject *row;
+
+    if (len < 8 || p[5] != 'N')
+        return REFUSED;  /* 'K' or 'O': the key changed, or REPLICA IDENTITY FULL */
+    run = (UpdateRunObject *)find_run(self, be32(p + 1), &UpdateRunType);
+    if (run == NULL)
+        return PyErr_Occurred() ? FAILED : NO_RUN;
+    natts = be16(p + 6);
+    if (natts != run->columns || check_tuple(p, len, 8, natts, &value_bytes, NULL) < 0)
+        return REFUSED;
+    row = PyTuple_New(natts);
+    if (row == NULL)
+        return FAILED;
+    pos = 8;
+    for (c = 0; c < natts; c++) {
+        PyObject *value;
+        if (p[pos] == 'n') {
+            pos++;
+            value = Py_NewRef(Py_None);
+        }
+        else {
+            Py_ssize_t n = be32(p + pos + 1);
+            pos += 5;
+            value = PyBytes_FromStringAndSize((const char *)p + pos, n);
+            pos += n;
+            if (value == NULL) {
+                Py_DECREF(row);
+                return FAILED;
+            }
+        }
+        PyTuple_SET_ITEM(row, c, value);
+    }
+    if (update_run_put(run, row) < 0)
+        return FAILED;
+    self->updates++;
+    self->bytes += value_bytes;
+    return TAKEN;
+}
+
+/* take(payloads, start) -> index: take payloads from start on; returns the index of the first
+ * one not taken (len(payloads) when all were). */
+static PyObject *
+lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *payloads, *open_begin = NULL, *last_commit = NULL;
+    Py_ssize_t i, n;
+    unsigned int open_xid = 0;
+    unsigned long long open_final = 0;
+    int open = 0;
+
+    if (nargs != 2 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take(payloads: list, start: int)");
+        return NULL;
+    }
+    payloads = args[0];
+    i = PyLong_AsSsize_t(args[1]);
+    if (i == -1 && PyErr_Occurred())
+        return NULL;
+    n = PyList_GET_SIZE(payloads);
+    if (i < 0 || i > n) {
+        PyErr_SetString(PyExc_IndexError, "take(): start out of range");
+        return NULL;
+    }
+    self->reason = LANE_END;
+    self->inserts = self->updates = self->bytes = self->transactions = 0;
+    self->cached_run = NULL;
+    for (; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(payloads, i);
+        const unsigned char *p;
+        Py_ssize_t len;
+        int outcome;
+        if (!PyBytes_CheckExact(item)) {
+            self->reason = LANE_FOREIGN;
+            break;
+        }
+        p = (const unsigned char *)PyBytes_AS_STRING(item);
+        len = PyBytes_GET_SIZE(item);
+        if (len == 21 && p[0] == 'B' && self->whole && !open) {
+            /* A transaction that goes on with anything but an insert or an update is not for
+             * the lane: the ordinary path takes it from its Begin. */
+            if (i + 1 < n) {
+                PyObject *next = PyList_GET_ITEM(payloads, i + 1);
+                char first = PyBytes_CheckExact(next) && PyBytes_GET_SIZE(next) > 0
+                    ? PyBytes_AS_STRING(next)[0] : 0;
+                if (first != 'I' && first != 'U' && first != 'C') {
+                    self->reason = LANE_FOREIGN;
+                    break;
+                }
+            }
+            open_final = be64(p + 1);
+            if (open_final <= self->after) {
+                self->reason = LANE_FOREIGN;
+                break;
+            }
+            open = 1;
+            open_xid = be32(p + 17);
+            open_begin = item;
+            continue;
+        }
+        if (len == 26 && p[0] == 'C' && open && p[1] == 0 && be64(p + 2) == open_final) {
+            open = 0;
+            open_begin = NULL;
+            last_commit = item;
+            self->xid = open_xid;
+            self->transactions++;
+            if (self->inserts + self->updates >= self->rows_room || self->bytes >= self->bytes_room) {
+                i++;
+                self->reason = LANE_LIMIT;
+                break;
+            }
+            continue;
+        }
+        if (len < 1 || (p[0] != 'I' && p[0] != 'U') || (self->whole && !open)) {
+            self->reason = LANE_FOREIGN;
+            break;
+        }
+        self->kind = p[0];
+        if (self->streamed) {  /* the xid: only the transaction being applied is delivered */
+            if (len < 5) {
+                self->reason = LANE_FOREIGN;
+                break;
+            }
+            outcome = p[0] == 'I' ? lane_insert(self, p + 4, len - 4) : lane_update(self, p + 4, len - 4);
+        }
+        else {
+            outcome = p[0] == 'I' ? lane_insert(self, p, len) : lane_update(self, p, len);
+        }
+        if (outcome == FAILED)
+            return NULL;
+        if (outcome != TAKEN) {
+            self->reason = outcome == NO_RUN ? LANE_NO_RUN : LANE_FOREIGN;
+            break;
+        }
+        if (self->inserts + self->updates >= self->part_room || self->bytes >= self->bytes_room) {
+            i++;
+            self->reason = LANE_PART;
+            break;
+        }
+    }
+    self->cached_run = NULL;
+    Py_SETREF(self->begin, Py_NewRef(open_begin != NULL ? open_begin : Py_None));
+    Py_SETREF(self->commit, Py_NewRef(last_commit != NULL ? last_commit : Py_None));
+    return PyLong_FromSsize_t(i);
+}
+
+static PyMemberDef lane_members[] = {
+    {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run or UpdateRun"},
+    {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
+    {"streamed", T_INT, offsetof(LaneObject, streamed), 0, "payloads of a stream block (with xid)"},
+    {"after", T_ULONGLONG, offsetof(LaneObject, after), 0, "take a Begin only above this final LSN"},
+    {"part_room", T_PYSSIZET, offsetof(LaneObject, part_room), 0, "rows before a part is due"},
+    {"rows_room", T_PYSSIZET, offsetof(LaneObject, rows_room), 0, "rows before the batch is full"},
+    {"bytes_room", T_PYSSIZET, offsetof(LaneObject, bytes_room), 0, "bytes before the batch is full"},
+    {"reason", T_INT, offsetof(LaneObject, reason), READONLY, "why take() returned"},
+    {"inserts", T_PYSSIZET, offsetof(LaneObject, inserts), READONLY, "inserts taken by the last take()"},
+    {"updates", T_PYSSIZET, offsetof(LaneObject, updates), READONLY, "updates taken by the last take()"},
+    {"bytes", T_PYSSIZET, offsetof(LaneObject, bytes), READONLY, "bytes of their values"},
+    {"transactions", T_PYSSIZET, offsetof(LaneObject, transactions), READONLY,
+     "transactions committed by the last take()"},
+    {"relation", T_UINT, offsetof(LaneObject, relation), READONLY, "the relation without a run"},
+    {"kind", T_INT, offsetof(LaneObject, kind), READONLY, "the change it has no run for: 'I' or 'U'"},
+    {"xid", T_UINT, offsetof(LaneObject, xid), READONLY, "xid of the last transaction committed"},
+    {"commit", T_OBJECT, offsetof(LaneObject, commit), READONLY, "the last Commit payload taken"},
+    {"begin", T_OBJECT, offsetof(LaneObject, begin), READONLY,
+     "the Begin payload of a transaction left open"},
+    {NULL},
+};
+
+static PyMethodDef lane_methods[] = {
+    {"take", (PyCFunction)(void (*)(void))lane_take, METH_FASTCALL,
+     "take(payloads, start)\n--\n\nTake payloads from start on; the index of the first not taken."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "applier.apply._lane.Lane",
+    .tp_basicsize = sizeof(LaneObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Lane(runs)\n--\n\nThe lane over the open runs (relation id -> Run or UpdateRun).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lane_init,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_members = lane_members,
+    .tp_methods = lane_methods,
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "applier.apply._lane",
+    "C core of the insert lane: Begin/Insert/Update/Commit payloads into the batch's open runs.",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__lane(void)
+{
+    PyObject *module;
+    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&UpdateRunType) < 0
+        || PyType_Ready(&LaneType) < 0)
+        return NULL;
+    module = PyModule_Create(&module_def);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
+        || PyModule_AddObjectRef(module, "UpdateRun", (PyObject *)&UpdateRunType) < 0
+        || PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -31,6 +31,13 @@ commit order. Data flows one way through five stages, each in its own package:
   waiting for their outcome, each statement checked for the exact number of rows it must
   change. Anything unexpected rolls the batch back and the stretch is redone on the careful,
   row-by-row path, where conflicts are detected and resolved one by one.
+  The lane (``apply/lane.py``, its core in C) shortens this path for the commonest changes: it
+  takes plain transactions of inserts and of updates of whole rows by key, and those changes of
+  any transaction on the fast path (a replayed streamed one too), straight from the received
+  payloads into the batch (inserts as COPY text, updates folded by key), building no message
+  object. It stops at anything else, which then takes the way above from where it stopped; a
+  transaction it began and cannot finish is handed to the assembler at its Begin, so a batch
+  never ends inside a source transaction.
 * ``progress``: the last statement of every target transaction records the commit LSN, end LSN
   and commit time of the last source transaction it holds, for this slot, in that same
   transaction.

@@ -399,10 +399,12 @@ class Worker:
             # While the fast path holds uncommitted work, only take what has already arrived;
             # the moment the stream pauses, commit it. Waiting for the target's WAL flush or (to
             # exit when caught up) for a keepalive past the goal, look again soon: a keepalive
-            # asked for may still show the position before the goal.
-            waiting = self._unflushed or (self.caught_up is not None
-                                          and stream.flush_lsn < self.caught_up.goal)
-            batch = stream.read_batch(timeout=0 if applier.holds_uncommitted else 0.05 if waiting else 0.5)
+            # asked for may still show the position before the goal. Past the goal already (a
+            # start with nothing to do), wait for nothing before checking the slot.
+            past_goal = self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
+            waiting = self._unflushed or (self.caught_up is not None and not past_goal)
+            batch = stream.read_batch(timeout=0 if applier.holds_uncommitted or past_goal
+                                      else 0.05 if waiting else 0.5)
             _feed(batch, assembler, lane, hand_back)
             if not assembler.idle:
                 continue

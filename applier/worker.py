@@ -109,7 +109,7 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from .apply.extensions import Extensions, setup_extensions
-from .apply.lane import InsertLane
+from .apply.lane import Lane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
@@ -449,13 +449,13 @@ class Worker:
         return False
 
 
-#: First bytes of the payloads the insert lane may take: Begin, Insert and Update.
-_LANE_KINDS = (ord("B"), ord("I"), ord("U"))
+#: First bytes of the payloads the lane may take: Begin, Insert, Update and Delete.
+_LANE_KINDS = (ord("B"), ord("I"), ord("U"), ord("D"))
 
 
-def _feed(payloads: list[bytes], assembler: Assembler, lane: InsertLane | None,
+def _feed(payloads: list[bytes], assembler: Assembler, lane: Lane | None,
           hand_back: Callable[[bytes], None]) -> None:
-    """Every payload, in order, to the insert lane where it takes them, else to the assembler
+    """Every payload, in order, to the lane where it takes them, else to the assembler
     (``hand_back`` gives it a transaction the lane began and did not finish)."""
     index, count = 0, len(payloads)
     while index < count:

@@ -1,13 +1,14 @@
 /*
- * C core of the insert lane (applier/apply/lane.py drives it; the name stayed when it learned
- * updates): plain transactions made of Begin, Inserts, Updates and Commit, taken straight from
- * the received payloads into the batch's open runs, with no message object built.
+ * C core of the apply stage's lane (applier/apply/lane.py drives it): plain transactions made of
+ * Begin, Inserts, Updates, Deletes and Commit, taken straight from the received payloads into the
+ * batch's open runs, with no message object built.
  *
  * A run belongs to one table, which the apply stage opened it for (the batch's open runs, a dict
  * by relation id, shared with the lane):
  * - Run: inserts, as COPY text lines;
- * - UpdateRun: updates that carry every column and keep their key, as rows of values folded by
- *   key (a later update of a row replaces the earlier one: both set every column).
+ * - KeyRun: changes by key, folded by key: updates that carry every column and keep their key
+ *   (a later update of a row replaces the earlier one: both set every column), or deletes by key
+ *   (only the key is kept).
  *
  * The lane takes what it is sure of and stops at the first payload it is not, saying why
  * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
@@ -83,7 +84,7 @@ static PyTypeObject RunType = {
     .tp_members = run_members,
 };
 
-/* ---- UpdateRun: updates by key, folded ------------------------------------------------------ */
+/* ---- KeyRun: updates or deletes by key, folded ---------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -91,28 +92,32 @@ typedef struct {
     PyObject *keys;          /* tuple of int: positions of the key columns */
     Py_ssize_t *key_at;      /* the same, for C */
     Py_ssize_t nkeys;
+    int whole_rows;          /* updates: rows hold every column; deletes: only the key */
     PyObject *rows;          /* list of tuples (bytes or None), one per key, in first-seen order */
     PyObject *index;         /* dict: key values (tuple) -> position in rows */
     Py_ssize_t changes;      /* updates recorded, folded ones included */
-} UpdateRunObject;
+} KeyRunObject;
 
 static PyObject *
-update_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     Py_ssize_t columns, i;
     PyObject *keys;
-    UpdateRunObject *self;
-    static char *keywords[] = {"columns", "keys", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!", keywords, &columns, &PyTuple_Type, &keys))
+    int whole_rows;
+    KeyRunObject *self;
+    static char *keywords[] = {"columns", "keys", "whole_rows", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!p", keywords, &columns, &PyTuple_Type, &keys,
+                                     &whole_rows))
         return NULL;
     if (columns < 1 || PyTuple_GET_SIZE(keys) < 1) {
-        PyErr_SetString(PyExc_ValueError, "UpdateRun(columns, keys): at least one column and one key");
+        PyErr_SetString(PyExc_ValueError, "KeyRun(): at least one column and one key");
         return NULL;
     }
-    self = (UpdateRunObject *)type->tp_alloc(type, 0);
+    self = (KeyRunObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->columns = columns;
+    self->whole_rows = whole_rows;
     self->keys = Py_NewRef(keys);
     self->nkeys = PyTuple_GET_SIZE(keys);
     self->key_at = PyMem_New(Py_ssize_t, self->nkeys);
@@ -129,7 +134,7 @@ update_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
             return NULL;
         }
         if (at < 0 || at >= columns) {
-            PyErr_SetString(PyExc_ValueError, "UpdateRun(columns, keys): a key position out of range");
+            PyErr_SetString(PyExc_ValueError, "KeyRun(): a key position out of range");
             Py_DECREF(self);
             return NULL;
         }
@@ -139,7 +144,7 @@ update_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 }
 
 static void
-update_run_dealloc(UpdateRunObject *self)
+key_run_dealloc(KeyRunObject *self)
 {
     Py_XDECREF(self->keys);
     Py_XDECREF(self->rows);
@@ -148,9 +153,9 @@ update_run_dealloc(UpdateRunObject *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Record one row (a tuple of columns values, stolen); a row of the same key is replaced. */
+/* Record one change (a tuple of every column's value, stolen); one of the same key is replaced. */
 static int
-update_run_put(UpdateRunObject *self, PyObject *row)
+key_run_put(KeyRunObject *self, PyObject *row)
 {
     PyObject *key, *found;
     Py_ssize_t i;
@@ -161,6 +166,8 @@ update_run_put(UpdateRunObject *self, PyObject *row)
     }
     for (i = 0; i < self->nkeys; i++)
         PyTuple_SET_ITEM(key, i, Py_NewRef(PyTuple_GET_ITEM(row, self->key_at[i])));
+    if (!self->whole_rows)  /* a delete: the key is all it needs */
+        Py_SETREF(row, Py_NewRef(key));
     found = PyDict_GetItemWithError(self->index, key);
     if (found != NULL) {
         Py_ssize_t at = PyLong_AsSsize_t(found);
@@ -192,25 +199,28 @@ update_run_put(UpdateRunObject *self, PyObject *row)
     return 0;
 }
 
-/* add(values): the ordinary path's update of every column (a tuple of bytes or None). */
+/* add(values): the ordinary path's update of every column, or delete by key (a tuple of every
+ * column's bytes or None). */
 static PyObject *
-update_run_add(UpdateRunObject *self, PyObject *values)
+key_run_add(KeyRunObject *self, PyObject *values)
 {
     if (!PyTuple_Check(values) || PyTuple_GET_SIZE(values) != self->columns) {
-        PyErr_SetString(PyExc_TypeError, "UpdateRun.add(values): a tuple of every column's value");
+        PyErr_SetString(PyExc_TypeError, "KeyRun.add(values): a tuple of every column's value");
         return NULL;
     }
-    if (update_run_put(self, Py_NewRef(values)) < 0)
+    if (key_run_put(self, Py_NewRef(values)) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
-/* params(start, stop): the statement parameters of rows [start, stop): each row's columns, then
- * its key's (UPDATE ... FROM (VALUES ...) sets every column where the key matches). */
+/* params(start, stop): the statement parameters of rows [start, stop). Updates: each row's
+ * columns, then its key's (UPDATE ... FROM (VALUES ...) sets every column where the key
+ * matches); deletes: each key. */
 static PyObject *
-update_run_params(UpdateRunObject *self, PyObject *const *args, Py_ssize_t nargs)
+key_run_params(KeyRunObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t start, stop, r, c, n = 0, width = self->columns + self->nkeys;
+    Py_ssize_t start, stop, r, c, n = 0;
+    Py_ssize_t width = self->whole_rows ? self->columns + self->nkeys : self->nkeys;
     PyObject *out;
     if (nargs != 2)
         return PyErr_Format(PyExc_TypeError, "params(start, stop)");
@@ -225,6 +235,11 @@ update_run_params(UpdateRunObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     for (r = start; r < stop; r++) {
         PyObject *row = PyList_GET_ITEM(self->rows, r);
+        if (!self->whole_rows) {  /* the row is the key */
+            for (c = 0; c < self->nkeys; c++)
+                PyList_SET_ITEM(out, n++, Py_NewRef(PyTuple_GET_ITEM(row, c)));
+            continue;
+        }
         for (c = 0; c < self->columns; c++)
             PyList_SET_ITEM(out, n++, Py_NewRef(PyTuple_GET_ITEM(row, c)));
         for (c = 0; c < self->nkeys; c++)
@@ -234,43 +249,46 @@ update_run_params(UpdateRunObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static Py_ssize_t
-update_run_len(UpdateRunObject *self)
+key_run_len(KeyRunObject *self)
 {
     return PyList_GET_SIZE(self->rows);
 }
 
-static PyMemberDef update_run_members[] = {
-    {"columns", T_PYSSIZET, offsetof(UpdateRunObject, columns), READONLY, "values per row"},
-    {"keys", T_OBJECT_EX, offsetof(UpdateRunObject, keys), READONLY, "key column positions"},
-    {"changes", T_PYSSIZET, offsetof(UpdateRunObject, changes), READONLY,
-     "updates recorded, folded ones included"},
+static PyMemberDef key_run_members[] = {
+    {"columns", T_PYSSIZET, offsetof(KeyRunObject, columns), READONLY, "values per row"},
+    {"keys", T_OBJECT_EX, offsetof(KeyRunObject, keys), READONLY, "key column positions"},
+    {"whole_rows", T_INT, offsetof(KeyRunObject, whole_rows), READONLY,
+     "updates (every column) rather than deletes (the key)"},
+    {"changes", T_PYSSIZET, offsetof(KeyRunObject, changes), READONLY,
+     "changes recorded, folded ones included"},
     {NULL},
 };
 
-static PyMethodDef update_run_methods[] = {
-    {"add", (PyCFunction)update_run_add, METH_O,
-     "add(values)\n--\n\nRecord an update of every column (replacing one of the same key)."},
-    {"params", (PyCFunction)(void (*)(void))update_run_params, METH_FASTCALL,
-     "params(start, stop)\n--\n\nStatement parameters of rows start..stop: columns, then key."},
+static PyMethodDef key_run_methods[] = {
+    {"add", (PyCFunction)key_run_add, METH_O,
+     "add(values)\n--\n\nRecord a change by key (replacing one of the same key)."},
+    {"params", (PyCFunction)(void (*)(void))key_run_params, METH_FASTCALL,
+     "params(start, stop)\n--\n\nStatement parameters of rows start..stop: for updates every "
+     "column, then the key; for deletes the key."},
     {NULL, NULL, 0, NULL},
 };
 
-static PySequenceMethods update_run_sequence = {
-    .sq_length = (lenfunc)update_run_len,
+static PySequenceMethods key_run_sequence = {
+    .sq_length = (lenfunc)key_run_len,
 };
 
-static PyTypeObject UpdateRunType = {
+static PyTypeObject KeyRunType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "applier.apply._lane.UpdateRun",
-    .tp_basicsize = sizeof(UpdateRunObject),
+    .tp_name = "applier.apply._lane.KeyRun",
+    .tp_basicsize = sizeof(KeyRunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "UpdateRun(columns, keys)\n--\n\nUpdates of every column of one table, folded by "
-              "key; len() is the rows it will update.",
-    .tp_new = update_run_new,
-    .tp_dealloc = (destructor)update_run_dealloc,
-    .tp_members = update_run_members,
-    .tp_methods = update_run_methods,
-    .tp_as_sequence = &update_run_sequence,
+    .tp_doc = "KeyRun(columns, keys, whole_rows)\n--\n\nUpdates of every column (whole_rows) or "
+              "deletes of one table by key, folded by key; len() is the rows they change.",
+    .tp_new = key_run_new,
+    .tp_dealloc = (destructor)key_run_dealloc,
+    .tp_members = key_run_members,
+    .tp_methods = key_run_methods,
+    .tp_as_sequence = &key_run_sequence,
 };
 
 /* ---- Lane ------------------------------------------------------------------------------------ */
@@ -283,7 +301,7 @@ enum { TAKEN = 0, REFUSED = 1, NO_RUN = 2, FAILED = -1 };
 typedef struct {
     PyObject_HEAD
     /* set by the caller before take() */
-    PyObject *runs;              /* dict: relation id -> Run or UpdateRun */
+    PyObject *runs;              /* dict: relation id -> Run or KeyRun */
     int whole;                   /* take whole transactions (else only changes of an open one) */
     int streamed;                /* the payloads come from a stream block: changes carry an xid */
     unsigned long long after;    /* take a Begin only with a final LSN above this */
@@ -292,9 +310,9 @@ typedef struct {
     Py_ssize_t bytes_room;       /* bytes of values, likewise */
     /* the outcome of the last take() */
     int reason;
-    Py_ssize_t inserts, updates, bytes, transactions;
+    Py_ssize_t inserts, updates, deletes, bytes, transactions;
     unsigned int relation;       /* LANE_NO_RUN: the relation that has no run of that kind */
-    int kind;                    /* LANE_NO_RUN: 'I' or 'U' */
+    int kind;                    /* LANE_NO_RUN: 'I', 'U' or 'D' */
     unsigned int xid;            /* xid of the last transaction committed */
     PyObject *commit;            /* the last Commit payload taken, or None */
     PyObject *begin;             /* the Begin payload of a transaction left open, or None */
@@ -433,19 +451,27 @@ lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
 }
 
 /* An Update that keeps its key and sends every column ('U', [xid], relation id, 'N', tuple: no
- * old key or row) as a row of its table's UpdateRun. */
+ * old key or row) or a Delete by key ('D', [xid], relation id, 'K', key tuple) as a change of its
+ * table's KeyRun of that kind. p: the message with its type byte where p[0] would be (the xid
+ * skipped in a stream block), so the type comes apart, in update. */
 static int
-lane_update(LaneObject *self, const unsigned char *p, Py_ssize_t len)
+lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
 {
     Py_ssize_t natts, c, pos, value_bytes;
-    UpdateRunObject *run;
+    KeyRunObject *run;
     PyObject *row;
 
-    if (len < 8 || p[5] != 'N')
-        return REFUSED;  /* 'K' or 'O': the key changed, or REPLICA IDENTITY FULL */
-    run = (UpdateRunObject *)find_run(self, be32(p + 1), &UpdateRunType);
+    /* An update with 'K' or 'O' changed its key or has REPLICA IDENTITY FULL; a delete with 'O'
+     * has REPLICA IDENTITY FULL. */
+    if (len < 8 || p[5] != (update ? 'N' : 'K'))
+        return REFUSED;
+    run = (KeyRunObject *)find_run(self, be32(p + 1), &KeyRunType);
     if (run == NULL)
         return PyErr_Occurred() ? FAILED : NO_RUN;
+    if (run->whole_rows != update) {  /* that table's open run is of the other kind */
+        self->relation = be32(p + 1);
+        return NO_RUN;
+    }
     natts = be16(p + 6);
     if (natts != run->columns || check_tuple(p, len, 8, natts, &value_bytes, NULL) < 0)
         return REFUSED;
@@ -471,9 +497,12 @@ lane_update(LaneObject *self, const unsigned char *p, Py_ssize_t len)
         }
         PyTuple_SET_ITEM(row, c, value);
     }
-    if (update_run_put(run, row) < 0)
+    if (key_run_put(run, row) < 0)
         return FAILED;
-    self->updates++;
+    if (update)
+        self->updates++;
+    else
+        self->deletes++;
     self->bytes += value_bytes;
     return TAKEN;
 }
@@ -503,7 +532,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     self->reason = LANE_END;
-    self->inserts = self->updates = self->bytes = self->transactions = 0;
+    self->inserts = self->updates = self->deletes = self->bytes = self->transactions = 0;
     self->cached_run = NULL;
     for (; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(payloads, i);
@@ -517,13 +546,13 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
         p = (const unsigned char *)PyBytes_AS_STRING(item);
         len = PyBytes_GET_SIZE(item);
         if (len == 21 && p[0] == 'B' && self->whole && !open) {
-            /* A transaction that goes on with anything but an insert or an update is not for
-             * the lane: the ordinary path takes it from its Begin. */
+            /* A transaction that goes on with anything but a row change is not for the lane:
+             * the ordinary path takes it from its Begin. */
             if (i + 1 < n) {
                 PyObject *next = PyList_GET_ITEM(payloads, i + 1);
                 char first = PyBytes_CheckExact(next) && PyBytes_GET_SIZE(next) > 0
                     ? PyBytes_AS_STRING(next)[0] : 0;
-                if (first != 'I' && first != 'U' && first != 'C') {
+                if (first != 'I' && first != 'U' && first != 'D' && first != 'C') {
                     self->reason = LANE_FOREIGN;
                     break;
                 }
@@ -544,27 +573,29 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             last_commit = item;
             self->xid = open_xid;
             self->transactions++;
-            if (self->inserts + self->updates >= self->rows_room || self->bytes >= self->bytes_room) {
+            if (self->inserts + self->updates + self->deletes >= self->rows_room
+                || self->bytes >= self->bytes_room) {
                 i++;
                 self->reason = LANE_LIMIT;
                 break;
             }
             continue;
         }
-        if (len < 1 || (p[0] != 'I' && p[0] != 'U') || (self->whole && !open)) {
+        if (len < 1 || (p[0] != 'I' && p[0] != 'U' && p[0] != 'D') || (self->whole && !open)) {
             self->reason = LANE_FOREIGN;
             break;
         }
         self->kind = p[0];
-        if (self->streamed) {  /* the xid: only the transaction being applied is delivered */
-            if (len < 5) {
+        {
+            /* In a stream block the xid follows the type; only the transaction being applied is
+             * delivered, so it is skipped. */
+            Py_ssize_t skip = self->streamed ? 4 : 0;
+            if (len < 1 + skip) {
                 self->reason = LANE_FOREIGN;
                 break;
             }
-            outcome = p[0] == 'I' ? lane_insert(self, p + 4, len - 4) : lane_update(self, p + 4, len - 4);
-        }
-        else {
-            outcome = p[0] == 'I' ? lane_insert(self, p, len) : lane_update(self, p, len);
+            outcome = p[0] == 'I' ? lane_insert(self, p + skip, len - skip)
+                                  : lane_keyed(self, p[0] == 'U', p + skip, len - skip);
         }
         if (outcome == FAILED)
             return NULL;
@@ -572,7 +603,8 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             self->reason = outcome == NO_RUN ? LANE_NO_RUN : LANE_FOREIGN;
             break;
         }
-        if (self->inserts + self->updates >= self->part_room || self->bytes >= self->bytes_room) {
+        if (self->inserts + self->updates + self->deletes >= self->part_room
+            || self->bytes >= self->bytes_room) {
             i++;
             self->reason = LANE_PART;
             break;
@@ -585,7 +617,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMemberDef lane_members[] = {
-    {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run or UpdateRun"},
+    {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run or KeyRun"},
     {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
     {"streamed", T_INT, offsetof(LaneObject, streamed), 0, "payloads of a stream block (with xid)"},
     {"after", T_ULONGLONG, offsetof(LaneObject, after), 0, "take a Begin only above this final LSN"},
@@ -595,11 +627,12 @@ static PyMemberDef lane_members[] = {
     {"reason", T_INT, offsetof(LaneObject, reason), READONLY, "why take() returned"},
     {"inserts", T_PYSSIZET, offsetof(LaneObject, inserts), READONLY, "inserts taken by the last take()"},
     {"updates", T_PYSSIZET, offsetof(LaneObject, updates), READONLY, "updates taken by the last take()"},
+    {"deletes", T_PYSSIZET, offsetof(LaneObject, deletes), READONLY, "deletes taken by the last take()"},
     {"bytes", T_PYSSIZET, offsetof(LaneObject, bytes), READONLY, "bytes of their values"},
     {"transactions", T_PYSSIZET, offsetof(LaneObject, transactions), READONLY,
      "transactions committed by the last take()"},
     {"relation", T_UINT, offsetof(LaneObject, relation), READONLY, "the relation without a run"},
-    {"kind", T_INT, offsetof(LaneObject, kind), READONLY, "the change it has no run for: 'I' or 'U'"},
+    {"kind", T_INT, offsetof(LaneObject, kind), READONLY, "the change it has no run for: 'I', 'U' or 'D'"},
     {"xid", T_UINT, offsetof(LaneObject, xid), READONLY, "xid of the last transaction committed"},
     {"commit", T_OBJECT, offsetof(LaneObject, commit), READONLY, "the last Commit payload taken"},
     {"begin", T_OBJECT, offsetof(LaneObject, begin), READONLY,
@@ -618,7 +651,7 @@ static PyTypeObject LaneType = {
     .tp_name = "applier.apply._lane.Lane",
     .tp_basicsize = sizeof(LaneObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Lane(runs)\n--\n\nThe lane over the open runs (relation id -> Run or UpdateRun).",
+    .tp_doc = "Lane(runs)\n--\n\nThe lane over the open runs (relation id -> Run or KeyRun).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)lane_init,
     .tp_dealloc = (destructor)lane_dealloc,
@@ -628,7 +661,7 @@ static PyTypeObject LaneType = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "applier.apply._lane",
-    "C core of the insert lane: Begin/Insert/Update/Commit payloads into the batch's open runs.",
+    "C core of the lane: Begin/Insert/Update/Delete/Commit payloads into the batch's open runs.",
     -1, NULL,
 };
 
@@ -636,14 +669,14 @@ PyMODINIT_FUNC
 PyInit__lane(void)
 {
     PyObject *module;
-    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&UpdateRunType) < 0
+    if (PyType_Ready(&RunType) < 0 || PyType_Ready(&KeyRunType) < 0
         || PyType_Ready(&LaneType) < 0)
         return NULL;
     module = PyModule_Create(&module_def);
     if (module == NULL)
         return NULL;
     if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
-        || PyModule_AddObjectRef(module, "UpdateRun", (PyObject *)&UpdateRunType) < 0
+        || PyModule_AddObjectRef(module, "KeyRun", (PyObject *)&KeyRunType) < 0
         || PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
         Py_DECREF(module);
         return NULL;

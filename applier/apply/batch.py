@@ -10,9 +10,9 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   text format, else multi-row INSERTs;
 - an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
   straight from the received payloads): inserts as COPY text (``Run``), or updates of every
-  column by key, folded by key (``UpdateRun``). It is sent where it began, as one COPY or as
-  multi-row UPDATEs, so a change that must follow its rows (any other change of that table, a
-  barrier) closes it first; runs of deletes by key one
+  column or deletes, by key and folded by key (``KeyRun``). It is sent where it began, as one
+  COPY or as multi-row UPDATEs or DELETEs, so a change that must follow its rows (another kind
+  of change of that table, a barrier) closes it first; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
@@ -37,7 +37,9 @@ from .statements import NEW, OLD, delete_sql, update_sql
 
 __all__ = ["Batch", "BatchStatement"]
 
-_INSERT, _UPDATE, _DELETE, _SQL, _COPY, _UPDATES = 0, 1, 2, 3, 4, 5
+_INSERT, _UPDATE, _DELETE, _SQL, _COPY, _UPDATES, _DELETES = 0, 1, 2, 3, 4, 5, 6
+#: A run's kind (the type byte of the changes it takes) -> its op kind.
+_RUN_OPS = {"I": _COPY, "U": _UPDATES, "D": _DELETES}
 #: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
@@ -54,7 +56,7 @@ class _Op:
     old: TupleData | None          # update: the old key/row when sent
     shape: tuple                   # what makes two ops share one statement
     sql: str = ""                  # _SQL ops: a statement sent as is (TRUNCATE)
-    run: "Run | UpdateRun | None" = None  # _COPY and _UPDATES ops: the open run
+    run: "Run | KeyRun | None" = None  # _COPY, _UPDATES and _DELETES ops: the run
 
 
 @dataclass(slots=True)
@@ -96,12 +98,13 @@ class Run(Protocol):
     rows: int
 
 
-class UpdateRun(Protocol):
-    """Updates of every column of one table by its key, folded by key (``_lane.UpdateRun``);
-    ``len()`` is the rows they update."""
+class KeyRun(Protocol):
+    """Updates of every column (``whole_rows``) or deletes of one table by its key, folded by key
+    (``_lane.KeyRun``); ``len()`` is the rows they change."""
 
     columns: int
     keys: tuple[int, ...]
+    whole_rows: bool
     changes: int
 
     def __len__(self) -> int: ...
@@ -123,7 +126,7 @@ class Batch:
         self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
         #: Open runs by relation id; the lane holds this very dict, so it is only ever changed
         #: in place. ``_open`` has their ops.
-        self.runs: dict[int, Run | UpdateRun] = {}
+        self.runs: dict[int, Run | KeyRun] = {}
         self._open: dict[int, _Op] = {}
         self.rows = 0
         self.bytes = 0
@@ -148,12 +151,13 @@ class Batch:
         self.rows += 1
         self.bytes += row.size
 
-    def open_run(self, mapping: RelationMapping, run: Run | UpdateRun, updates: bool) -> None:
-        """Start a run for an independent table's inserts (or, ``updates``, its updates by key)
-        here, in the order of changes; one open before for that table ends."""
+    def open_run(self, mapping: RelationMapping, run: Run | KeyRun, kind: str) -> None:
+        """Start a run for an independent table's changes of one kind (``kind``: "I" inserts,
+        "U" updates, "D" deletes) here, in the order of changes; one open before for that table
+        ends."""
         assert mapping.table.independent and run.columns == len(mapping.target_columns)
         relation_id = mapping.relation.relation_id
-        kind = _UPDATES if updates else _COPY
+        kind = _RUN_OPS[kind]
         op = _Op(kind, mapping, None, None, (kind, relation_id, False), run=run)
         self._open[relation_id] = op
         self.runs[relation_id] = run
@@ -245,6 +249,10 @@ class Batch:
     def delete(self, mapping: RelationMapping, old: TupleData) -> None:
         self._count(old)
         if self._open:
+            op = self._open.get(mapping.relation.relation_id)
+            if op is not None and op.kind == _DELETES and KIND_BINARY not in old.kinds:
+                op.run.add(old.values)  # type: ignore[union-attr, arg-type]
+                return
             self._close_runs(mapping)
         relation_id = mapping.relation.relation_id
         if mapping.full_identity:
@@ -318,8 +326,8 @@ class Batch:
                 yield BatchStatement(None, _copy_sql(first.mapping), [], [], run.rows,  # type: ignore[union-attr]
                                      run.data)  # type: ignore[union-attr]
             return
-        if first.kind == _UPDATES:
-            yield from self._updates(first)
+        if first.kind == _UPDATES or first.kind == _DELETES:
+            yield from self._by_key(first)
             return
         if first.kind == _INSERT and len(run) >= COPY_MIN_ROWS:
             copy = self._copy(run)
@@ -329,18 +337,24 @@ class Batch:
         for position, size in _chunks(len(run), self._params_per_row(first)):
             yield self._chunk(run[position:position + size])
 
-    def _updates(self, op: _Op) -> Iterator[BatchStatement]:
-        """An UpdateRun's rows as multi-row UPDATEs by key, shaped (and so prepared) as those of
-        the ordinary path's updates of every column."""
-        run: UpdateRun = op.run  # type: ignore[assignment]
+    def _by_key(self, op: _Op) -> Iterator[BatchStatement]:
+        """A KeyRun as multi-row UPDATEs or DELETEs by key, shaped (and so prepared) as the
+        ordinary path's updates of every column and deletes by key."""
+        run: KeyRun = op.run  # type: ignore[assignment]
         mapping = op.mapping
         assert mapping is not None
         keys = mapping.key_positions
-        shape = (_UPDATE, mapping.relation.relation_id, _every_column(run.columns), NEW, keys, True, True)
-        for position, size in _chunks(len(run), run.columns + len(keys)):
+        relation_id = mapping.relation.relation_id
+        if op.kind == _UPDATES:
+            shape: tuple = (_UPDATE, relation_id, _every_column(run.columns), NEW, keys, True, True)
+            per_row = run.columns + len(keys)
+        else:
+            shape = (_DELETE, relation_id, keys, True, True)
+            per_row = len(keys)
+        for position, size in _chunks(len(run), per_row):
             values = run.params(position, position + size)
-            yield BatchStatement((shape, size), self._update_text(mapping, shape, size), values,
-                                 [0] * len(values), size)
+            sql = (self._update_text if op.kind == _UPDATES else self._delete_text)(mapping, shape, size)
+            yield BatchStatement((shape, size), sql, values, [0] * len(values), size)
 
     @staticmethod
     def _copy(run: list[_Op]) -> BatchStatement | None:
@@ -391,11 +405,11 @@ class Batch:
             if sql is None:
                 sql = self._update_text(mapping, first.shape, rows)
         else:
-            positions, by_key = first.shape[2], first.shape[3]
+            positions = first.shape[2]
             for op in chunk:
                 _collect(op.row, positions, values, formats)
             if sql is None:
-                sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
+                sql = self._delete_text(mapping, first.shape, rows)
         return BatchStatement(sql_key, sql, values, formats, rows)
 
     def _update_text(self, mapping: RelationMapping, shape: tuple, rows: int) -> str:
@@ -407,6 +421,14 @@ class Batch:
             if self._guard is not None:
                 sql += " AND " + self._guard("t.xmin" if rows > 1 else "xmin")
             self._sql[sql_key] = sql
+        return sql
+
+    def _delete_text(self, mapping: RelationMapping, shape: tuple, rows: int) -> str:
+        sql_key = (shape, rows)
+        sql = self._sql.get(sql_key)
+        if sql is None:
+            _, _, positions, by_key, _ = shape
+            sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
         return sql
 
 

@@ -1,15 +1,14 @@
-"""The insert lane: plain transactions of inserts and updates, from the received payloads
-straight into the batch.
+"""The lane: plain transactions of row changes, from the received payloads straight into the batch.
 
 Owns deciding when the C lane (``_lane.Lane``) may take payloads and handing what it took to the
-sink: the rows it wrote into the batch's open runs (``batch.Run``: inserts as COPY text;
-``batch.UpdateRun``: updates of every column by key, folded), the transactions it saw commit and
-the last of them (the progress row names it), a part that is due, a batch that is full. A stream
-of small transactions (pgbench's, single-row inserts) or one large one is then mostly C: no
-message object, no call per change. Whatever the lane does not take (any other message, a table
-it may not write, an update of part of a row or of its key, a value not in text, anything
-malformed) it leaves where it stopped, and the ordinary path (decoder, assembler, sink) takes it,
-so every check and error stays there.
+sink: the changes it wrote into the batch's open runs (``batch.Run``: inserts as COPY text;
+``batch.KeyRun``: updates of every column or deletes, by key and folded by key), the
+transactions it saw commit and the last of them (the progress row names it), a part that is due,
+a batch that is full. A stream of small transactions (pgbench's, single-row inserts) or one large
+one is then mostly C: no message object, no call per change. Whatever the lane does not take
+(any other message, a table it may not write, an update of part of a row or of its key, a value
+not in text, anything malformed) it leaves where it stopped, and the ordinary path (decoder,
+assembler, sink) takes it, so every check and error stays there.
 
 Must never hold a transaction across a return: one still open when the C lane stops is handed
 back (its Begin fed to the assembler), so the ordinary path finishes it and a batch is never
@@ -27,25 +26,30 @@ from ..assembler import TransactionEnd
 from ..protocol.decoder import decode
 from ..protocol.messages import Commit
 
-from .batch import Run, UpdateRun
+from .batch import Run, KeyRun
 
 if TYPE_CHECKING:
     from .sink import TargetApplier
 
-__all__ = ["InsertLane", "insert_lane"]
+__all__ = ["Lane", "lane_for"]
 
-#: Why ``Lane.take`` stopped (``_speedups.c``).
+#: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
-_BEGIN, _INSERT, _UPDATE = ord("B"), ord("I"), ord("U")
+_BEGIN = ord("B")
+_CHANGES = (ord("I"), ord("U"), ord("D"))
 
 
-class InsertLane:
+class Lane:
     def __init__(self, lane_type: type, run_type: Callable[[int], Run],
-                 update_run_type: Callable[[int, tuple[int, ...]], UpdateRun], sink: TargetApplier) -> None:
+                 key_run_type: Callable[[int, tuple[int, ...], bool], KeyRun], sink: TargetApplier) -> None:
         self._sink = sink
         self._lane = lane_type(sink.batch_runs)
-        self._make_run = run_type
-        self._make_update_run = update_run_type
+        # A run for each kind of change, made from (columns, key positions).
+        self._makers: dict[str, Callable[[int, tuple[int, ...]], Run | KeyRun]] = {
+            "I": lambda columns, keys: run_type(columns),
+            "U": lambda columns, keys: key_run_type(columns, keys, True),
+            "D": lambda columns, keys: key_run_type(columns, keys, False),
+        }
 
     def take(self, payloads: list[bytes], start: int, *,
              hand_back: Callable[[bytes], None] | None = None, streamed: bool = False) -> int:
@@ -55,10 +59,10 @@ class InsertLane:
         open when the lane stops goes to ``hand_back`` (its Begin payload) and the ordinary path
         takes it on. None: the sink is inside a transaction (a plain one received, or a streamed
         one replayed from its stream blocks: ``streamed``, whose changes carry their xid), so
-        take only its inserts and updates."""
+        take only its row changes."""
         kind = payloads[start][0]
         whole = hand_back is not None
-        if kind != _INSERT and kind != _UPDATE and (kind != _BEGIN or not whole):
+        if kind not in _CHANGES and (kind != _BEGIN or not whole):
             return start
         lane, sink = self._lane, self._sink
         lane.streamed = streamed
@@ -76,7 +80,7 @@ class InsertLane:
                 assert isinstance(commit, Commit)
                 last = TransactionEnd(lane.xid, commit.commit_lsn, commit.end_lsn, commit.commit_time,
                                       streamed=False, gid=None)
-            sink.lane_took(lane.inserts, lane.updates, lane.bytes, lane.transactions, last)
+            sink.lane_took(lane.inserts, lane.updates, lane.deletes, lane.bytes, lane.transactions, last)
             if lane.begin is not None:
                 assert hand_back is not None
                 hand_back(lane.begin)  # that transaction continues on the ordinary path
@@ -88,13 +92,13 @@ class InsertLane:
                 sink.send_part()
             elif reason == _LIMIT:
                 sink.flush()
-            elif reason != _NO_RUN or not sink.lane_run(
-                    lane.relation, self._make_run, self._make_update_run if lane.kind == _UPDATE else None):
+            elif reason != _NO_RUN or not sink.lane_run(lane.relation, chr(lane.kind),
+                                                        self._makers[chr(lane.kind)]):
                 return index
         return index
 
 
-def insert_lane(sink: TargetApplier) -> InsertLane | None:
+def lane_for(sink: TargetApplier) -> Lane | None:
     """The lane over ``sink``'s batch, or None without the C accelerator (or with
     ``APPLIER_PURE_PYTHON=1``)."""
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
@@ -103,4 +107,4 @@ def insert_lane(sink: TargetApplier) -> InsertLane | None:
         from . import _lane  # type: ignore[attr-defined]  # built only with a compiler
     except ImportError:
         return None
-    return InsertLane(_lane.Lane, _lane.Run, _lane.UpdateRun, sink)
+    return Lane(_lane.Lane, _lane.Run, _lane.KeyRun, sink)

@@ -38,10 +38,10 @@ from ..protocol.messages import (
 )
 from ..assembler import Change, TransactionEnd, TransactionStart
 from ..sync.state import SyncFilter
-from .batch import Batch, Run, UpdateRun
+from .batch import Batch, Run, KeyRun
 from .divert import Discard, Divert
 from .extensions import Extensions, default_extensions
-from .lane import InsertLane, insert_lane
+from .lane import Lane, lane_for
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .relations import (
     MissingTargetColumn, MissingTargetTable, RelationMapping, TargetTable, map_relation,
@@ -149,9 +149,9 @@ class TargetApplier:
         self._divert: Divert | None = None
         self._progress_sql = self.extensions.progress_sql or PROGRESS_SQL
         self.current_origin: Origin | None = None
-        #: Plain transactions of inserts and updates, and those changes of any fast-path
-        #: transaction, taken straight from their payloads (None without the C accelerator).
-        self.lane: InsertLane | None = insert_lane(self)
+        #: Plain transactions of row changes, and the row changes of any fast-path transaction,
+        #: taken straight from their payloads (None without the C accelerator).
+        self.lane: Lane | None = lane_for(self)
 
     @property
     def current_xid(self) -> int | None:
@@ -483,8 +483,7 @@ class TargetApplier:
             self._message(msg)  # type: ignore[arg-type]
 
     def take_changes(self, payloads: list[bytes], start: int) -> int:
-        """A replayed streamed transaction's inserts and updates go through the lane where it
-        takes them."""
+        """A replayed streamed transaction's row changes go through the lane where it takes them."""
         lane = self.lane
         return start if lane is None else lane.take(payloads, start, streamed=True)
 
@@ -592,14 +591,14 @@ class TargetApplier:
         if rows >= PART_ROWS or rows >= limits.rows or self._batch.bytes >= limits.bytes:
             self._send_batch()  # a part ahead of the commit (PART_ROWS)
 
-    # -- the insert lane (lane.py) ---------------------------------------------------------------
+    # -- the lane (lane.py) ----------------------------------------------------------------------
     @property
-    def batch_runs(self) -> dict[int, Run]:
+    def batch_runs(self) -> dict[int, Run | KeyRun]:
         """The batch's open runs by relation id (the lane writes into them; changed in place only)."""
         return self._batch.runs
 
     def lane_room(self, whole: bool) -> tuple[LSN, int, int, int] | None:
-        """May the insert lane take payloads now, and how far: None, or (take only transactions
+        """May the lane take payloads now, and how far: None, or (take only transactions
         committing after this LSN, rows until a part is due, rows and bytes until the batch is
         full). ``whole``: it would take whole transactions (the batch's target transaction must
         be open and nothing may decide otherwise about a transaction at its begin); else inserts
@@ -616,12 +615,13 @@ class TargetApplier:
         return (max(self.applied.commit_lsn, self.careful_until), min(PART_ROWS, limits.rows) - batch.rows,
                 limits.rows - self._sent_rows - batch.rows, limits.bytes - batch.bytes)
 
-    def lane_run(self, relation_id: int, make_run: Callable[[int], Run],
-                 make_update_run: Callable[[int, tuple[int, ...]], UpdateRun] | None) -> bool:
-        """Give the relation's inserts (or, with ``make_update_run``, its updates) a run in the
-        batch if its table can take them: a table independent of others (and for updates, one
-        with a key: not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes them
-        (and reports what is wrong with the relation, if anything)."""
+    def lane_run(self, relation_id: int, kind: str,
+                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
+        """Give the relation's changes of one kind ("I", "U" or "D") a run in the batch, made by
+        ``make_run(columns, key positions)``, if its table can take them: a table independent of
+        others (and for updates and deletes, one with a key: not REPLICA IDENTITY FULL or
+        NOTHING). False: the ordinary path takes them (and reports what is wrong with the
+        relation, if anything)."""
         if relation_id not in self.relations:
             return False
         try:
@@ -630,24 +630,21 @@ class TargetApplier:
             return False
         if not mapping.table.independent:
             return False
-        columns = len(mapping.target_columns)
-        if make_update_run is None:
-            self._batch.open_run(mapping, make_run(columns), updates=False)
-        elif mapping.key_positions and not mapping.full_identity:
-            self._batch.open_run(mapping, make_update_run(columns, mapping.key_positions), updates=True)
-        else:
+        if kind != "I" and (not mapping.key_positions or mapping.full_identity):
             return False
+        self._batch.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions), kind)
         return True
 
-    def lane_took(self, inserts: int, updates: int, value_bytes: int, transactions: int,
-                  last: TransactionEnd | None) -> None:
+    def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
+                  transactions: int, last: TransactionEnd | None) -> None:
         """Count what the lane took, as ``change`` and ``commit`` count the ordinary path's."""
         batch = self._batch
-        batch.rows += inserts + updates
+        batch.rows += inserts + updates + deletes
         batch.bytes += value_bytes
         counts = self._pending_counts
         counts["insert"] += inserts
         counts["update"] += updates
+        counts["delete"] += deletes
         if transactions:
             counts["transactions"] += transactions
             self._batch_last = last

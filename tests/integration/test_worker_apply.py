@@ -218,7 +218,7 @@ def test_copy_meeting_an_existing_key_goes_to_the_careful_path(source_db, target
 @pytest.mark.parametrize("lane", ["C lane", "pure Python"])
 def test_insert_transactions_mixed_with_others_under_small_batches(source_db, target_db, monkeypatch,
                                                                    lane: str) -> None:
-    """Transactions of inserts only (the insert lane takes them whole, straight into COPY text)
+    """Transactions of inserts only (the lane takes them whole, straight into COPY text)
     between transactions that go on to update or delete, or write a table with a trigger (the
     ordinary path takes those, from their Begin or from the change the lane stopped at), with a
     target transaction every few rows: every row arrives once, the trigger fires once per row,

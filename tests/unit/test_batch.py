@@ -147,7 +147,7 @@ def test_a_dependent_table_is_a_barrier_for_gathering() -> None:
 
 
 class _Run:
-    """A run as the insert lane's C type holds it (``_speedups.Run``)."""
+    """A run as the lane's C type holds it (``_speedups.Run``)."""
 
     def __init__(self, columns: int) -> None:
         self.data, self.columns, self.rows = bytearray(), columns, 0
@@ -158,7 +158,7 @@ def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
     items, other = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
     batch.update(items, _row(b"9", b"before", b"x"), None)
     run = _Run(3)
-    batch.open_run(items, run, updates=False)
+    batch.open_run(items, run, kind="I")
     run.data += b"1\ta\tx\n"  # as the lane writes it
     run.rows += 1
     batch.insert(other, _row(b"5", b"o", b"y"))
@@ -174,8 +174,8 @@ def test_another_change_of_the_table_closes_its_run_and_a_barrier_closes_every_r
     batch = Batch()
     items, other = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
     triggered = _mapping(relation_id=3)
-    batch.open_run(items, _Run(3), updates=False)
-    batch.open_run(other, _Run(3), updates=False)
+    batch.open_run(items, _Run(3), kind="I")
+    batch.open_run(other, _Run(3), kind="I")
     batch.insert(items, _row(b"1", b"a", b"x"))
     batch.delete(items, _row(b"1", None, None))  # must follow that insert: the run closes
     assert set(batch.runs) == {2}

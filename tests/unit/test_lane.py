@@ -1,4 +1,4 @@
-"""The insert lane's C core (``_lane.Lane``): what it takes from received payloads, the COPY
+"""The lane's C core (``_lane.Lane``): what it takes from received payloads, the COPY
 text it writes, and where (and why) it stops, leaving the rest to the ordinary path."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import random
 
 import pytest
 
+from applier.apply.batch import Batch
 from applier.apply.copy import copy_text_pure
+from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.decoder import ACCELERATED, decode_pure
-from applier.protocol.messages import UNCHANGED_TOAST
+from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
 import pgoutput_builder as pg
 
@@ -64,14 +66,14 @@ def test_copy_text_agrees_with_the_reference_on_random_values() -> None:
 
 def test_a_transaction_that_goes_on_with_another_change_is_handed_back_where_it_stopped() -> None:
     runs = {7: _run(1)}
-    payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.delete(7, [b"1"]), pg.insert(7, [b"2"]))
+    payloads = _txn(0x100, 500, pg.insert(7, [b"1"]), pg.truncate([7], 0), pg.insert(7, [b"2"]))
     lane = _make_lane(runs)
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN
     assert lane.begin == payloads[0] and lane.transactions == 0 and runs[7].rows == 1
 
 
-def test_a_transaction_not_starting_with_an_insert_or_update_is_left_whole() -> None:
-    payloads = _txn(0x100, 500, pg.delete(7, [b"1"]))
+def test_a_transaction_not_starting_with_a_row_change_is_left_whole() -> None:
+    payloads = _txn(0x100, 500, pg.truncate([7], 0))
     lane = _make_lane({7: _run(1)})
     assert lane.take(payloads, 0) == 0 and lane.reason == FOREIGN and lane.begin is None
 
@@ -124,7 +126,7 @@ def test_a_commit_that_does_not_match_its_begin_is_left_for_the_ordinary_path_to
 
 
 def test_inside_a_transaction_only_its_changes_are_taken() -> None:
-    payloads = [pg.insert(7, [b"1"], xid=44), pg.insert(7, [b"2"], xid=44), pg.delete(7, [b"1"], xid=44)]
+    payloads = [pg.insert(7, [b"1"], xid=44), pg.insert(7, [b"2"], xid=44), pg.truncate([7], 0, xid=44)]
     runs = {7: _run(1)}
     lane = _make_lane(runs, whole=False, streamed=True)
     assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN and lane.begin is None
@@ -132,13 +134,13 @@ def test_inside_a_transaction_only_its_changes_are_taken() -> None:
     assert _make_lane(runs, whole=False).take([pg.begin(0x100, 1000, 5)], 0) == 0  # no Begin inside
 
 
-def _update_run(columns: int, keys: tuple[int, ...]):
+def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True):
     from applier.apply import _lane  # type: ignore[attr-defined]
-    return _lane.UpdateRun(columns, keys)
+    return _lane.KeyRun(columns, keys, whole_rows)
 
 
-def test_updates_of_every_column_fold_by_key_into_their_tables_update_run() -> None:
-    runs = {7: _update_run(3, (0,))}
+def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None:
+    runs = {7: _key_run(3, (0,))}
     payloads = (_txn(0x100, 500, pg.update(7, [b"1", b"a", None]), pg.update(7, [b"2", b"b", b"x"]))
                 + _txn(0x200, 501, pg.update(7, [b"1", b"c", b"y"])))
     lane = _make_lane(runs)
@@ -156,7 +158,7 @@ def test_updates_of_every_column_fold_by_key_into_their_tables_update_run() -> N
     pg.update(7, [b"1", pg.Binary(b"\x01")]),               # binary
 ])
 def test_updates_of_part_of_a_row_or_of_its_key_are_left_to_the_ordinary_path(payload: bytes) -> None:
-    runs = {7: _update_run(2, (0,))}
+    runs = {7: _key_run(2, (0,))}
     lane = _make_lane(runs)
     assert lane.take(_txn(0x100, 500, pg.update(7, [b"5", b"e"]), payload), 0) == 2
     assert lane.reason == FOREIGN and len(runs[7]) == 1
@@ -168,20 +170,22 @@ def test_a_change_without_a_run_of_its_kind_names_relation_and_kind() -> None:
     assert (lane.reason, lane.relation, chr(lane.kind)) == (NO_RUN, 7, "U")
 
 
-def test_an_update_run_in_the_batch_becomes_multi_row_updates_by_key() -> None:
-    from applier.apply.batch import Batch
-    from applier.apply.relations import TargetColumn, TargetTable, map_relation
-    from applier.protocol.messages import Relation, RelationColumn, TupleData
-
-    relation = Relation(None, 7, "public", "acc", "d", (RelationColumn(1, "id", 23, -1),
-                                                         RelationColumn(0, "bal", 23, -1)))
-    table = TargetTable("public", "acc", {"id": TargetColumn("id", "integer", False, True),
-                                          "bal": TargetColumn("bal", "integer", False, True)},
+def _mapping(relation_id: int, name: str, second: tuple[str, str]) -> RelationMapping:
+    """An independent table (id integer PRIMARY KEY, <second>)."""
+    (column, sql_type), oid = second, {"integer": 23, "text": 25}[second[1]]
+    relation = Relation(None, relation_id, "public", name, "d", (RelationColumn(1, "id", 23, -1),
+                                                                 RelationColumn(0, column, oid, -1)))
+    table = TargetTable("public", name, {"id": TargetColumn("id", "integer", False, True),
+                                         column: TargetColumn(column, sql_type, False, True)},
                         ("id",), False, True)
-    mapping = map_relation(relation, table)
+    return map_relation(relation, table)
+
+
+def test_an_update_run_in_the_batch_becomes_multi_row_updates_by_key() -> None:
+    mapping = _mapping(7, "acc", ("bal", "integer"))
     batch = Batch()
-    run = _update_run(2, (0,))
-    batch.open_run(mapping, run, updates=True)
+    run = _key_run(2, (0,))
+    batch.open_run(mapping, run, kind="U")
     for key in range(1, 10):
         run.add((b"%d" % key, b"10"))                        # as the lane records them
     batch.update(mapping, TupleData(b"tt", (b"1", b"11")), None)  # the ordinary path joins the run
@@ -194,3 +198,38 @@ def test_an_update_run_in_the_batch_becomes_multi_row_updates_by_key() -> None:
     assert update.values[:6] == [b"1", b"11", b"1", b"2", b"10", b"2"]
     assert update.values[-3:] == [b"10", b"20", b"10"]
     assert insert.sql.startswith('INSERT INTO "public"."acc"') and insert.values == [b"30", b"31"]
+
+
+def test_deletes_by_key_keep_only_the_key_and_fold_by_it() -> None:
+    runs = {7: _key_run(3, (0, 2), whole_rows=False)}
+    payloads = _txn(0x100, 500, pg.delete(7, [b"1", None, b"a"]), pg.delete(7, [b"2", None, b"b"]),
+                    pg.delete(7, [b"1", None, b"a"]))
+    lane = _make_lane(runs)
+    assert lane.take(payloads, 0) == len(payloads) and (lane.deletes, lane.transactions) == (3, 1)
+    assert len(runs[7]) == 2 and runs[7].params(0, 2) == [b"1", b"a", b"2", b"b"]
+    full = _txn(0x200, 501, pg.delete(7, [b"3", b"x", b"c"], old_kind="O"))  # REPLICA IDENTITY FULL
+    assert _make_lane(runs).take(full, 0) == 1
+
+
+def test_a_table_whose_run_is_of_another_kind_gets_a_new_run() -> None:
+    """An update where the table's open run takes deletes (or the other way round) asks for a
+    run of its own kind: the changes must stay in order."""
+    lane = _make_lane({7: _key_run(2, (0,), whole_rows=False)})
+    assert lane.take(_txn(0x100, 500, pg.update(7, [b"1", b"a"])), 0) == 1
+    assert (lane.reason, chr(lane.kind)) == (NO_RUN, "U")
+    lane = _make_lane({7: _key_run(2, (0,))})
+    assert lane.take(_txn(0x100, 500, pg.delete(7, [b"1", None])), 0) == 1
+    assert (lane.reason, chr(lane.kind)) == (NO_RUN, "D")
+
+
+def test_a_delete_run_in_the_batch_becomes_multi_row_deletes_by_key() -> None:
+    mapping = _mapping(8, "gone", ("v", "text"))
+    batch = Batch()
+    run = _key_run(2, (0,), whole_rows=False)
+    batch.open_run(mapping, run, kind="D")
+    for key in range(1, 10):
+        run.add((b"%d" % key, None))
+    batch.delete(mapping, TupleData(b"tn", (b"10", None)))  # the ordinary path joins the run
+    (statement,) = batch.statements()
+    assert statement.sql.startswith('DELETE FROM "public"."gone" WHERE ("id") IN (')
+    assert statement.values == [b"%d" % key for key in range(1, 11)] and statement.expected_rows == 10

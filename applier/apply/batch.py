@@ -278,7 +278,11 @@ class Batch:
         (pgbench writes four) then still make long runs instead of runs of one. The target
         transaction's outcome is the same, since only the order between such tables changes and
         nothing on the target observes it. Any other change (a partitioned table, a table with
-        a replica trigger, TRUNCATE) is a barrier: everything recorded before it goes first."""
+        a replica trigger, TRUNCATE) is a barrier: everything recorded before it goes first.
+
+        Among the gathered tables, those whose changes begin with an open run's COPY go first: a
+        COPY cannot join the pipeline, so one after pipelined statements waits for all of them
+        to finish, while one before them lets them run on while the next part is decoded."""
         tables: dict[int, list[_Op]] = {}  # independent tables' changes, per table
         in_order: list[_Op] = []            # other changes, since the last independent one
         for op in self._ops:
@@ -295,12 +299,14 @@ class Batch:
                 else:
                     ops.append(op)
                 continue
-            for ops in tables.values():
-                yield from self._runs(ops)
+            yield from self._gathered(tables)
             tables.clear()
             in_order.append(op)
         yield from self._runs(in_order)
-        for ops in tables.values():
+        yield from self._gathered(tables)
+
+    def _gathered(self, tables: dict[int, list[_Op]]) -> Iterator[BatchStatement]:
+        for ops in sorted(tables.values(), key=lambda ops: ops[0].kind != _COPY):
             yield from self._runs(ops)
 
     def _runs(self, ops: list[_Op]) -> Iterator[BatchStatement]:

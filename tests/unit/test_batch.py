@@ -185,3 +185,17 @@ def test_another_change_of_the_table_closes_its_run_and_a_barrier_closes_every_r
     kinds = [s.sql.split()[0] for s in batch.statements()]
     # items: COPY (the run), DELETE, INSERT; other's run is empty and sends nothing; then the barrier.
     assert kinds == ["COPY", "DELETE", "INSERT", "INSERT"]
+
+
+def test_a_table_starting_with_a_copy_goes_before_the_other_gathered_tables() -> None:
+    """A COPY leaves the pipeline, waiting for every statement before it: it goes first, so the
+    pipelined statements after it are not waited for."""
+    batch = Batch()
+    accounts, history = _mapping(relation_id=1, independent=True), _mapping(relation_id=2, independent=True)
+    batch.update(accounts, _row(b"1", b"a", b"x"), None)
+    run = _Run(3)
+    batch.open_run(history, run, kind="I")
+    run.data += b"7\th\tx\n"
+    run.rows += 1
+    batch.update(accounts, _row(b"2", b"b", b"x"), None)
+    assert [s.sql.split()[0] for s in batch.statements()] == ["COPY", "UPDATE", "UPDATE"]

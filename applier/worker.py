@@ -451,22 +451,33 @@ class Worker:
 
 #: First bytes of the payloads the lane may take: Begin, Insert, Update and Delete.
 _LANE_KINDS = (ord("B"), ord("I"), ord("U"), ord("D"))
+#: First bytes of the row changes a stream block's buffer takes undecoded.
+_ROW_CHANGES = (ord("I"), ord("U"), ord("D"))
 
 
 def _feed(payloads: list[bytes], assembler: Assembler, lane: Lane | None,
           hand_back: Callable[[bytes], None]) -> None:
-    """Every payload, in order, to the lane where it takes them, else to the assembler
-    (``hand_back`` gives it a transaction the lane began and did not finish)."""
+    """Every payload, in order: row changes inside a stream block straight to their buffer (they
+    are decoded when replayed), plain transactions to the lane where it takes them (``hand_back``
+    gives the assembler one the lane began and did not finish), the rest decoded to the
+    assembler."""
     index, count = 0, len(payloads)
     while index < count:
         payload = payloads[index]
-        if lane is not None and payload[0] in _LANE_KINDS:
+        kind = payload[0]
+        if assembler.in_stream:
+            if kind in _ROW_CHANGES:
+                taken = assembler.buffer_changes(payloads, index)
+                if taken > index:
+                    index = taken
+                    continue
+        elif lane is not None and kind in _LANE_KINDS:
             between = assembler.between_transactions
             if between or assembler.in_plain:
-                index = lane.take(payloads, index, hand_back=hand_back if between else None)
-                if index == count:
-                    return
-                payload = payloads[index]
+                taken = lane.take(payloads, index, hand_back=hand_back if between else None)
+                if taken > index:
+                    index = taken
+                    continue
         assembler.feed(decode(payload, assembler.in_stream), payload)
         index += 1
 

@@ -29,6 +29,8 @@ from .sink import TransactionEnd, TransactionSink, TransactionStart
 
 __all__ = ["Assembler"]
 
+#: Row change payloads by their first byte (the message type).
+_ROW_CHANGES = {ord("I"): Insert.type_name, ord("U"): Update.type_name, ord("D"): Delete.type_name}
 #: Replayed changes of a streamed transaction are offered to the sink this many at a time.
 REPLAY_CHUNK = 256
 #: How many replayed changes of a streamed transaction pass between two heartbeat calls (a
@@ -114,6 +116,22 @@ class Assembler:
         if handler is None:
             raise TypeError(f"not a replication message: {type(msg).__name__}")
         handler(msg, raw)
+
+    def buffer_changes(self, payloads: list[bytes], start: int) -> int:
+        """Inside a stream block, buffer the row changes (Insert, Update, Delete payloads) from
+        ``start`` on as ``feed`` would, without decoding them: a buffered change needs only its
+        xid, and its replay decodes it (a malformed one fails there, before anything of its
+        transaction commits). Returns the index of the first payload that is not one."""
+        if self._block is None:
+            return start
+        buffer = self._buffer
+        for index in range(start, len(payloads)):
+            raw = payloads[index]
+            name = _ROW_CHANGES.get(raw[0])
+            if name is None or len(raw) < 5:
+                return index
+            buffer(int.from_bytes(raw[1:5], "big"), raw, name)
+        return len(payloads)
 
     def close(self) -> None:
         """Drop every buffered transaction and remove all spill files."""

@@ -120,7 +120,7 @@ class ReplicationStream:
         self._reported_flush_lsn = LSN(0)
         self.bytes_received = 0
         self._ended = False            # the server ended the stream after the last batch
-        self.batch_starts: list[int] = []  # WAL start of each payload of the last read_batch
+        self.last_start = 0            # WAL start of the last payload read_batch returned
 
     # -- connection ---------------------------------------------------------------------------
     def connect(self) -> psycopg.Connection:
@@ -196,13 +196,13 @@ class ReplicationStream:
     def read(self, timeout: float) -> XLogData | None:
         """Next XLogData, or None after ``timeout`` seconds without one (``read_batch`` of one)."""
         batch = self.read_batch(timeout, limit=1)
-        return XLogData(LSN(self.batch_starts[0]), batch[0]) if batch else None
+        return XLogData(LSN(self.last_start), batch[0]) if batch else None
 
     def read_batch(self, timeout: float, limit: int = READ_BATCH) -> list[bytes]:
         """The XLogData payloads that have arrived: waits up to ``timeout`` seconds for the first,
         then takes what is already here (at most ``limit``) without waiting again; empty after
         ``timeout`` without any. Taking a batch spares the per-message overhead of a call and an
-        object each; ``batch_starts`` holds the WAL start of each payload returned.
+        object each; ``last_start`` is the WAL start of the last payload returned.
 
         Keepalives are consumed here; a keepalive that asks for a reply gets a status update at
         once, and one is sent anyway when ``status_interval`` has passed.
@@ -212,48 +212,53 @@ class ReplicationStream:
         pgconn = self.connection.pgconn
         self.send_status_if_due()
         batch: list[bytes] = []
-        starts = self.batch_starts = []
+        last = None  # the last XLogData frame taken (its header is read once, at the end)
+        received = 0
         deadline: float | None = None
-        while True:
-            nbytes, data = pgconn.get_copy_data(1)
-            if nbytes > 0:
-                self.bytes_received += nbytes
-                kind = data[0]
-                if kind == 0x77:  # 'w' XLogData
-                    start = _XLOGDATA_START(data, 1)[0]
-                    batch.append(data[25:].tobytes())
-                    starts.append(start)
-                    if len(batch) >= limit:
-                        self._received(start)
-                        return batch
+        try:
+            while True:
+                nbytes, data = pgconn.get_copy_data(1)
+                if nbytes > 0:
+                    received += nbytes
+                    kind = data[0]
+                    if kind == 0x77:  # 'w' XLogData
+                        batch.append(data[25:].tobytes())
+                        last = data
+                        if len(batch) >= limit:
+                            return batch
+                        continue
+                    if kind == 0x6B:  # 'k' keepalive
+                        wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                        self.keepalive_wal_end = LSN(wal_end)
+                        self._received(wal_end)
+                        if reply:
+                            self.send_status()
+                        continue
+                    raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}",
+                                      permanent=True)
+                if batch:
+                    self._ended = nbytes < 0  # deliver what came before the end; the next call raises
+                    return batch
+                if nbytes < 0:
+                    self._raise_stream_end()
+                # Nothing complete in libpq's buffer: look at the socket (even with no time left,
+                # what has already arrived must be read in, or a zero timeout would spin).
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + timeout
+                remaining = max(deadline - now, 0.0)
+                readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
+                if readable:
+                    pgconn.consume_input()
                     continue
-                if kind == 0x6B:  # 'k' keepalive
-                    wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
-                    self.keepalive_wal_end = LSN(wal_end)
-                    self._received(wal_end)
-                    if reply:
-                        self.send_status()
-                    continue
-                raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}", permanent=True)
-            if batch:
-                self._received(starts[-1])
-                self._ended = nbytes < 0  # deliver what came before the end; the next call raises
-                return batch
-            if nbytes < 0:
-                self._raise_stream_end()
-            # Nothing complete in libpq's buffer: look at the socket (even with no time left,
-            # what has already arrived must be read in, or a zero timeout would spin).
-            now = time.monotonic()
-            if deadline is None:
-                deadline = now + timeout
-            remaining = max(deadline - now, 0.0)
-            readable, _, _ = select.select([pgconn.socket], [], [], min(remaining, self.status_interval))
-            if readable:
-                pgconn.consume_input()
-                continue
-            if remaining <= 0:
-                return batch
-            self.send_status_if_due()
+                if remaining <= 0:
+                    return batch
+                self.send_status_if_due()
+        finally:
+            self.bytes_received += received
+            if last is not None:
+                self.last_start = _XLOGDATA_START(last, 1)[0]
+                self._received(self.last_start)
 
     def _received(self, position: int) -> None:
         if position > self.received_lsn:

@@ -431,3 +431,33 @@ def test_sink_failure_during_replay_still_removes_the_spill_file(spill_dir: Path
     with pytest.raises(RuntimeError, match="apply failed"):
         feed(asm, stream_commit(5, 1, 2))
     assert spill_files(spill_dir) == [] and asm.open_streamed_xids == () and asm.memory_bytes == 0
+
+
+def test_row_changes_buffered_undecoded_replay_as_if_fed(sink: RecordingSink, spill_dir: Path) -> None:
+    """``buffer_changes`` takes a stream block's inserts, updates and deletes as they came (only
+    their xid read), stops at anything else, and the transaction replays exactly as if each had
+    gone through ``feed``: across a spill and a subtransaction abort too."""
+    fed, direct = RecordingSink(), make(sink, spill_dir, budget=600)
+    reference = make(fed, spill_dir / "reference", budget=600)
+    changes = [insert(1, b"a", xid=90), update(1, b"b", xid=91), insert(1, b"d" * 200, xid=90),
+               delete(1, b"c", xid=92)]
+    block = [relation(1, "t", xid=90), *changes, stream_stop()]
+    for asm in (direct, reference):
+        feed(asm, stream_start(90, first=True))
+    assert direct.buffer_changes(block, 0) == 0          # a Relation is not a row change
+    feed(direct, block[0])
+    assert direct.buffer_changes(block, 1) == len(block) - 1  # stops at Stream Stop
+    feed(direct, block[-1])
+    feed(reference, *block)
+    assert direct.buffer_changes([insert(1, b"x", xid=90)], 0) == 0  # outside any block
+    for asm in (direct, reference):
+        feed(asm, stream_abort(90, 92), stream_commit(90, 0xD00, 0xD10))
+    assert sink.calls == fed.calls and sink.values() == [b"a", b"b", b"d" * 200]
+
+
+def test_a_buffered_row_change_without_a_transaction_id_is_refused(sink: RecordingSink,
+                                                                   spill_dir: Path) -> None:
+    asm = make(sink, spill_dir)
+    feed(asm, stream_start(93, first=True))
+    with pytest.raises(ProtocolSequenceError, match="no valid transaction id"):
+        asm.buffer_changes([insert(1, b"a", xid=0)], 0)

@@ -18,9 +18,10 @@ commit order. Data flows one way through five stages, each in its own package:
 * ``assembler`` checks that the messages form possible sequences and turns them into
   transactions. Plain transactions are handed on as they arrive (the server sends them whole, at
   commit). Streamed transactions (large ones the server sends while they are still running) are
-  held per xid as raw bytes, within a memory budget shared by all of them and spilled to local
-  files beyond it; a subtransaction abort cuts exactly that subtransaction and the ones started
-  after it; at Stream Commit the transaction is replayed in order.
+  held per xid as raw bytes (row changes are not even decoded until replayed), within a memory
+  budget shared by all of them and spilled to local files beyond it; a subtransaction abort cuts
+  exactly that subtransaction and the ones started after it; at Stream Commit the transaction
+  is replayed in order.
 * ``apply`` maps each source relation to the target table of the same schema-qualified name and
   its columns by name, and executes cached, prepared statements whose parameters are the bytes
   received, in the format they arrived in, cast by the target column's type. The target session
@@ -32,10 +33,10 @@ commit order. Data flows one way through five stages, each in its own package:
   change. Anything unexpected rolls the batch back and the stretch is redone on the careful,
   row-by-row path, where conflicts are detected and resolved one by one.
   The lane (``apply/lane.py``, its core in C) shortens this path for the commonest changes: it
-  takes plain transactions of inserts and of updates of whole rows by key, and those changes of
-  any transaction on the fast path (a replayed streamed one too), straight from the received
-  payloads into the batch (inserts as COPY text, updates folded by key), building no message
-  object. It stops at anything else, which then takes the way above from where it stopped; a
+  takes plain transactions of inserts, of updates of whole rows by key and of deletes by key,
+  and those changes of any transaction on the fast path (a replayed streamed one too), straight
+  from the received payloads into the batch (inserts as COPY text, updates and deletes folded by
+  key), building no message object. It stops at anything else, which then takes the way above from where it stopped; a
   transaction it began and cannot finish is handed to the assembler at its Begin, so a batch
   never ends inside a source transaction.
 * ``progress``: the last statement of every target transaction records the commit LSN, end LSN

@@ -7,13 +7,13 @@ Owns turning a sequence of row changes into few statements with a known outcome:
 - an insert followed by updates of the same row becomes one insert of the final row;
 - the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
-  text format, else multi-row INSERTs;
+  text format, else multi-row INSERTs; runs of deletes by key one
+  ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
   straight from the received payloads): inserts as COPY text (``Run``), or updates of every
   column or deletes, by key and folded by key (``KeyRun``). It is sent where it began, as one
   COPY or as multi-row UPDATEs or DELETEs, so a change that must follow its rows (another kind
-  of change of that table, a barrier) closes it first; runs of deletes by key one
-  ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
+  of change of that table, a barrier) closes it first;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -326,11 +326,10 @@ class Batch:
             yield BatchStatement(None, first.sql, [], [], None)
             return
         if first.kind == _COPY:
-            run = first.run
-            assert run is not None and first.mapping is not None
-            if run.rows:  # type: ignore[union-attr]
-                yield BatchStatement(None, _copy_sql(first.mapping), [], [], run.rows,  # type: ignore[union-attr]
-                                     run.data)  # type: ignore[union-attr]
+            copy_run: Run = first.run  # type: ignore[assignment]
+            assert first.mapping is not None
+            if copy_run.rows:
+                yield BatchStatement(None, _copy_sql(first.mapping), [], [], copy_run.rows, copy_run.data)
             return
         if first.kind == _UPDATES or first.kind == _DELETES:
             yield from self._by_key(first)

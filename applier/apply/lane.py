@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from ..assembler import TransactionEnd
@@ -31,7 +32,7 @@ from .batch import Run, KeyRun
 if TYPE_CHECKING:
     from .sink import TargetApplier
 
-__all__ = ["Lane", "lane_for"]
+__all__ = ["Lane", "core", "lane_for"]
 
 #: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
@@ -40,15 +41,14 @@ _CHANGES = (ord("I"), ord("U"), ord("D"))
 
 
 class Lane:
-    def __init__(self, lane_type: type, run_type: Callable[[int], Run],
-                 key_run_type: Callable[[int, tuple[int, ...], bool], KeyRun], sink: TargetApplier) -> None:
+    def __init__(self, module: ModuleType, sink: TargetApplier) -> None:
         self._sink = sink
-        self._lane = lane_type(sink.batch_runs)
+        self._lane = module.Lane(sink.batch_runs)
         # A run for each kind of change, made from (columns, key positions).
         self._makers: dict[str, Callable[[int, tuple[int, ...]], Run | KeyRun]] = {
-            "I": lambda columns, keys: run_type(columns),
-            "U": lambda columns, keys: key_run_type(columns, keys, True),
-            "D": lambda columns, keys: key_run_type(columns, keys, False),
+            "I": lambda columns, keys: module.Run(columns),
+            "U": lambda columns, keys: module.KeyRun(columns, keys, True),
+            "D": lambda columns, keys: module.KeyRun(columns, keys, False),
         }
 
     def take(self, payloads: list[bytes], start: int, *,
@@ -98,13 +98,19 @@ class Lane:
         return index
 
 
-def lane_for(sink: TargetApplier) -> Lane | None:
-    """The lane over ``sink``'s batch, or None without the C accelerator (or with
-    ``APPLIER_PURE_PYTHON=1``)."""
+def core() -> ModuleType | None:
+    """The C core (``_lane``), or None when it is not built (no C compiler at install) or
+    ``APPLIER_PURE_PYTHON=1`` asks for the ordinary path alone."""
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
         return None
     try:
         from . import _lane  # type: ignore[attr-defined]  # built only with a compiler
     except ImportError:
         return None
-    return Lane(_lane.Lane, _lane.Run, _lane.KeyRun, sink)
+    return _lane
+
+
+def lane_for(sink: TargetApplier) -> Lane | None:
+    """The lane over ``sink``'s batch, or None without its C core (see ``core``)."""
+    module = core()
+    return None if module is None else Lane(module, sink)

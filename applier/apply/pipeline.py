@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from psycopg import pq
 
+from .session import transient_sqlstate
+
 __all__ = ["Pipeline", "PipelineError", "RowCountMismatch"]
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
@@ -270,7 +272,7 @@ class Pipeline:
         sqlstate = raw_state.decode() if raw_state else None
         message = result.error_message.decode(errors="replace").strip()
         self._error = PipelineError(f"target: {queued.what} failed: {message}", sqlstate=sqlstate,
-                                    transient=bool(sqlstate) and sqlstate[:2] in ("08", "57"))
+                                    transient=transient_sqlstate(sqlstate))
 
     def _check_connection(self) -> None:
         if self.pgconn.status != pq.ConnStatus.OK:

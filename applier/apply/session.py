@@ -17,10 +17,19 @@ from psycopg import pq
 from ..source.stream import is_permanent
 from .statements import Statement
 
-__all__ = ["TargetSession", "TargetError"]
+__all__ = ["TargetSession", "TargetError", "transient_sqlstate"]
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exceptions, operator intervention
+#: A lock wait that timed out (lock_timeout, set while a transaction is applied as it streams) or a
+#: deadlock: another attempt can succeed.
+_LOCK_SQLSTATES = ("55P03", "40P01")
+
+
+def transient_sqlstate(sqlstate: str | None) -> bool:
+    """Whether a statement that failed with ``sqlstate`` may succeed on a new attempt."""
+    return bool(sqlstate) and (sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES  # type: ignore[index]
+                               or sqlstate in _LOCK_SQLSTATES)
 
 
 class TargetError(Exception):
@@ -75,7 +84,7 @@ class TargetSession:
         raw_state = result.error_field(pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
         message = result.error_message.decode(errors="replace").strip()
-        transient = bool(sqlstate) and sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES
+        transient = transient_sqlstate(sqlstate)
         raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, transient=transient)
 
     def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:

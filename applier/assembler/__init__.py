@@ -5,13 +5,14 @@ per top-level xid (as raw bytes, spilling to local files beyond a memory budget)
 or prepare, and impossible sequences raise ``ProtocolSequenceError``. Must never apply anything or
 touch a database or the network; its only I/O is its own spill files.
 
-Public API: ``Assembler``, the ``TransactionSink`` protocol the apply stage implements,
-``TransactionStart``/``TransactionEnd`` and ``ProtocolSequenceError``.
+Public API: ``Assembler``, the ``TransactionSink`` protocol the apply stage implements (and
+``EarlyApply``, for a streamed transaction applied as it streams), ``deliver`` (buffered records
+to a sink), ``TransactionStart``/``TransactionEnd`` and ``ProtocolSequenceError``.
 """
 
-from .assembler import Assembler
+from .assembler import Assembler, deliver
 from .errors import ProtocolSequenceError
-from .sink import Change, TransactionEnd, TransactionSink, TransactionStart
+from .sink import Change, EarlyApply, TransactionEnd, TransactionSink, TransactionStart
 
-__all__ = ["Assembler", "Change", "ProtocolSequenceError", "TransactionEnd", "TransactionSink",
-           "TransactionStart"]
+__all__ = ["Assembler", "Change", "EarlyApply", "ProtocolSequenceError", "TransactionEnd",
+           "TransactionSink", "TransactionStart", "deliver"]

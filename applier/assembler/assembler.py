@@ -4,8 +4,11 @@ Owns the transaction structure of the replication stream: which messages may fol
 passing plain transactions straight through, and buffering streamed (in-progress) transactions
 per top-level xid until their Stream Commit or Stream Prepare, with subtransaction aborts and a
 memory budget enforced by spilling to local files (PostgreSQL's apply worker in serialize mode,
-worker.c, is the behavioural model). Must never apply anything, touch a database or the
-network, or keep message objects of a streamed transaction in memory (only their raw bytes).
+worker.c, is the behavioural model). One streamed transaction at a time may also be passed on
+as it streams to an ``EarlyApply`` (PostgreSQL's parallel apply is the model there); it stays
+buffered all the same, so that it can still be delivered whole at its end. Must never apply
+anything, touch a database or the network, or keep message objects of a streamed transaction in
+memory (only their raw bytes).
 
 If the sink raises, the assembler's state for the transaction being delivered is gone: the caller
 must ``close()`` and restart replication from the server, which resends the transaction.
@@ -25,9 +28,9 @@ from applier.protocol import (
 
 from .buffer import SPILL_GLOB, StreamBuffer, record_cost, spill_path
 from .errors import ProtocolSequenceError
-from .sink import TransactionEnd, TransactionSink, TransactionStart
+from .sink import Change, EarlyApply, TransactionEnd, TransactionSink, TransactionStart
 
-__all__ = ["Assembler"]
+__all__ = ["Assembler", "deliver"]
 
 #: Row change payloads by their first byte (the message type).
 _ROW_CHANGES = {ord("I"): Insert.type_name, ord("U"): Update.type_name, ord("D"): Delete.type_name}
@@ -42,7 +45,8 @@ class Assembler:
     """Feed every decoded message with ``feed(msg, raw)``; the sink receives transactions."""
 
     def __init__(self, sink: TransactionSink, *, memory_budget: int, spill_dir: Path,
-                 heartbeat: Callable[[], None] | None = None) -> None:
+                 heartbeat: Callable[[], None] | None = None,
+                 early: EarlyApply | None = None) -> None:
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be positive, got {memory_budget}")
         self._sink = sink
@@ -61,6 +65,8 @@ class Assembler:
         self._plain: TransactionStart | None = None
         self._block: StreamBuffer | None = None  # the xid between Stream Start and Stream Stop
         self._streams: dict[int, StreamBuffer] = {}  # every open streamed xid, in start order
+        self._early = early
+        self._early_xid: int | None = None  # the streamed xid being applied as it streams
         self._memory_bytes = 0
         self._handlers: dict[type, Callable[[Any, bytes], None]] = {
             Insert: self._change, Update: self._change, Delete: self._change,
@@ -122,8 +128,11 @@ class Assembler:
         ``start`` on as ``feed`` would, without decoding them: a buffered change needs only its
         xid, and its replay decodes it (a malformed one fails there, before anything of its
         transaction commits). Returns the index of the first payload that is not one."""
-        if self._block is None:
+        block = self._block
+        if block is None:
             return start
+        if block.xid == self._early_xid:
+            return self._buffer_early(block, payloads, start)
         buffer = self._buffer
         for index in range(start, len(payloads)):
             raw = payloads[index]
@@ -133,8 +142,36 @@ class Assembler:
             buffer(int.from_bytes(raw[1:5], "big"), raw, name)
         return len(payloads)
 
+    def _buffer_early(self, block: StreamBuffer, payloads: list[bytes], start: int) -> int:
+        """``buffer_changes`` for the transaction applied as it streams: the same buffering, and
+        the changes passed on in runs cut where a subtransaction begins."""
+        early = self._early
+        assert early is not None
+        buffer = self._buffer
+        passed = index = start
+        count = len(payloads)
+        while index < count:
+            raw = payloads[index]
+            name = _ROW_CHANGES.get(raw[0])
+            if name is None or len(raw) < 5:
+                break
+            subxid = int.from_bytes(raw[1:5], "big")
+            opens = block.opens_subxact(subxid)
+            if opens and index > passed:
+                early.changes(payloads, passed, index)
+                passed = index
+            buffer(subxid, raw, name)
+            if opens:
+                early.subtransaction(subxid)
+            index += 1
+        if index > passed:
+            early.changes(payloads, passed, index)
+        return index
+
     def close(self) -> None:
-        """Drop every buffered transaction and remove all spill files."""
+        """Drop every buffered transaction and remove all spill files (the one applied as it
+        streams is rolled back)."""
+        self._cancel_early()
         for buffer in self._streams.values():
             buffer.remove()
         self._streams.clear()
@@ -146,7 +183,7 @@ class Assembler:
 
     def _change(self, msg: Insert | Update | Delete | Truncate | Message, raw: bytes) -> None:
         if self._block is not None:
-            self._buffer(msg.xid, raw, msg.type_name)
+            self._buffer(msg.xid, raw, msg.type_name, msg)
         elif self._plain is not None:
             self._sink.change(msg)
         else:
@@ -162,29 +199,41 @@ class Assembler:
 
     def _relation(self, msg: Relation, raw: bytes) -> None:
         if self._block is not None:
-            self._buffer(msg.xid, raw, "relation")
+            self._buffer(msg.xid, raw, "relation", msg)
         else:
             self._sink.relation(msg)
 
     def _type(self, msg: Type, raw: bytes) -> None:
         if self._block is not None:
-            self._buffer(msg.xid, raw, "type")
+            self._buffer(msg.xid, raw, "type", msg)
         else:
             self._sink.type(msg)
 
     def _origin(self, msg: Origin, raw: bytes) -> None:
         if self._block is not None:
             # Origin carries no xid; it belongs to the top-level transaction of the block.
-            self._buffer(self._block.xid, raw, "origin")
+            self._buffer(self._block.xid, raw, "origin", msg)
         elif self._plain is not None:
             self._sink.origin(msg)
         else:
             raise ProtocolSequenceError(
                 f"origin {msg.name!r} at LSN {msg.origin_lsn} outside any transaction or stream block")
 
-    def _buffer(self, subxid: int | None, raw: bytes, what: str) -> None:
+    def _buffer(self, subxid: int | None, raw: bytes, what: str,
+                msg: Change | Relation | Type | Origin | None = None) -> None:
+        """Buffer one record of the stream block; ``msg``, the record decoded, is also passed on
+        when its transaction is applied as it streams."""
         block = self._block
         assert block is not None
+        if msg is not None and block.xid == self._early_xid:
+            early = self._early
+            assert early is not None
+            opens = bool(subxid) and block.opens_subxact(subxid)  # type: ignore[arg-type]
+            self._buffer(subxid, raw, what)
+            if opens:
+                early.subtransaction(subxid)  # type: ignore[arg-type]
+            early.record(msg)
+            return
         if not subxid:
             # PostgreSQL rejects xid 0 too (worker.c: handle_streamed_transaction); None means
             # the caller decoded without in_stream=True.
@@ -273,6 +322,8 @@ class Assembler:
         PostgreSQL's own worker leaves them in its spool file; we drop them here."""
         buffer = self._streams.get(xid)
         if buffer is not None:
+            if xid == self._early_xid:
+                self._cancel_early()
             self._drop(buffer)
 
     # -- streamed transactions ---------------------------------------------------------------
@@ -286,15 +337,21 @@ class Assembler:
                     f"stream_start (first segment) of xid {msg.xid}, which is already open")
             buffer = StreamBuffer(msg.xid, spill_path(self._spill_dir, msg.xid))
             self._streams[msg.xid] = buffer
+            if self._early is not None and self._early_xid is None and self._early.open(msg.xid):
+                self._early_xid = msg.xid
         elif buffer is None:
             raise ProtocolSequenceError(
                 f"stream_start (later segment) of xid {msg.xid}, whose first segment never came")
         self._block = buffer
 
     def _stream_stop(self, msg: StreamStop, raw: bytes) -> None:
-        if self._block is None:
+        block = self._block
+        if block is None:
             raise ProtocolSequenceError("stream_stop without stream_start")
         self._block = None
+        if block.xid == self._early_xid:
+            assert self._early is not None
+            self._early.pause()
 
     def _stream_abort(self, msg: StreamAbort, raw: bytes) -> None:
         self._require_idle(f"stream_abort of xid {msg.xid} (subxid {msg.subxid})")
@@ -302,23 +359,35 @@ class Assembler:
         if buffer is None:
             return  # the server may abort transactions it never streamed a change of
         if msg.subxid == msg.xid:
+            if msg.xid == self._early_xid:
+                self._cancel_early()
             self._drop(buffer)
         else:
+            if msg.xid == self._early_xid and buffer.has_subxact(msg.subxid):
+                assert self._early is not None
+                self._early.abort(msg.subxid)
             self._memory_bytes -= buffer.abort_subxact(msg.subxid)
 
     def _stream_commit(self, msg: StreamCommit, raw: bytes) -> None:
         buffer = self._streamed_end(msg.xid, f"stream_commit of xid {msg.xid} at commit LSN "
                                              f"{msg.commit_lsn}")
-        self._replay(buffer,
-                     TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time, streamed=True,
-                                      gid=None, end_lsn=msg.end_lsn),
-                     TransactionEnd(msg.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
-                                    streamed=True, gid=None),
-                     self._sink.commit)
+        start = TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time, streamed=True,
+                                 gid=None, end_lsn=msg.end_lsn)
+        end = TransactionEnd(msg.xid, msg.commit_lsn, msg.end_lsn, msg.commit_time,
+                             streamed=True, gid=None)
+        if msg.xid == self._early_xid:
+            assert self._early is not None
+            self._early_xid = None
+            if self._early.finish(start, end):
+                self._drop(buffer)
+                return
+        self._replay(buffer, start, end, self._sink.commit)
 
     def _stream_prepare(self, msg: StreamPrepare, raw: bytes) -> None:
         buffer = self._streamed_end(msg.xid, f"stream_prepare of xid {msg.xid} at prepare LSN "
                                              f"{msg.prepare_lsn}")
+        if msg.xid == self._early_xid:
+            self._cancel_early()  # a prepared transaction is applied by the two-phase divert
         self._replay(buffer,
                      TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time, streamed=True,
                                       gid=msg.gid, end_lsn=msg.end_lsn),
@@ -347,34 +416,21 @@ class Assembler:
             for raw in buffer.replay():
                 chunk.append(raw)
                 if len(chunk) == REPLAY_CHUNK:
-                    self._deliver(chunk)
+                    deliver(sink, chunk)
                     chunk = []
                     delivered += REPLAY_CHUNK
                     if heartbeat is not None and delivered % HEARTBEAT_EVERY == 0:
                         heartbeat()
-            self._deliver(chunk)
+            deliver(sink, chunk)
             finish(end)
         finally:
             self._drop(buffer)
 
-    def _deliver(self, chunk: list[bytes]) -> None:
-        sink = self._sink
-        index, count = 0, len(chunk)
-        while index < count:
-            index = sink.take_changes(chunk, index)
-            if index == count:
-                return
-            msg = decode(chunk[index], in_stream=True)
-            index += 1
-            kind = type(msg)
-            if kind is Relation:
-                sink.relation(msg)  # type: ignore[arg-type]
-            elif kind is Type:
-                sink.type(msg)  # type: ignore[arg-type]
-            elif kind is Origin:
-                sink.origin(msg)  # type: ignore[arg-type]
-            else:
-                sink.change(msg)  # type: ignore[arg-type]
+    def _cancel_early(self) -> None:
+        if self._early_xid is not None:
+            assert self._early is not None
+            self._early_xid = None
+            self._early.cancel()
 
     def _drop(self, buffer: StreamBuffer) -> None:
         self._memory_bytes -= buffer.memory_bytes
@@ -389,3 +445,25 @@ class Assembler:
         if self._plain is not None:
             raise ProtocolSequenceError(
                 f"{what} inside transaction xid {self._plain.xid} (LSN {self._plain.commit_lsn})")
+
+
+def deliver(sink: TransactionSink, chunk: list[bytes]) -> None:
+    """Deliver buffered records of a streamed transaction, still encoded, to ``sink`` in order:
+    it may take runs of row changes itself (``take_changes``); each record it leaves is decoded
+    and delivered by its type."""
+    index, count = 0, len(chunk)
+    while index < count:
+        index = sink.take_changes(chunk, index)
+        if index == count:
+            return
+        msg = decode(chunk[index], in_stream=True)
+        index += 1
+        kind = type(msg)
+        if kind is Relation:
+            sink.relation(msg)  # type: ignore[arg-type]
+        elif kind is Type:
+            sink.type(msg)  # type: ignore[arg-type]
+        elif kind is Origin:
+            sink.origin(msg)  # type: ignore[arg-type]
+        else:
+            sink.change(msg)  # type: ignore[arg-type]

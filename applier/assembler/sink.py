@@ -3,6 +3,9 @@
 Owns the contract between transaction assembly and apply. Pure declarations: no behaviour, no
 I/O. The apply stage implements ``TransactionSink``; the assembler calls it strictly in stream
 order, one whole source transaction at a time (begin ... commit/prepare, never interleaved).
+It may also implement ``EarlyApply``, which receives one streamed transaction at a time while it
+streams; the assembler keeps buffering that transaction all the same, so whenever the early
+apply gives up, the transaction is delivered to the sink at its end as any other.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from applier.protocol import (
     Type, Update,
 )
 
-__all__ = ["TransactionSink", "TransactionStart", "TransactionEnd", "Change"]
+__all__ = ["TransactionSink", "TransactionStart", "TransactionEnd", "Change", "EarlyApply"]
 
 #: A transactional change as delivered between ``begin`` and ``commit``/``prepare``.
 Change: TypeAlias = Union[Insert, Update, Delete, Truncate, Message]
@@ -92,3 +95,39 @@ class TransactionSink(Protocol):
 
     def message(self, msg: Message) -> None:
         """A non-transactional logical message, delivered as soon as it arrives."""
+
+
+class EarlyApply(Protocol):
+    """Applies a streamed transaction while it streams, uncommitted until its Stream Commit.
+
+    The assembler offers each streamed transaction at its first segment (``open``); between an
+    accepted ``open`` and ``finish`` or ``cancel`` it passes on that transaction's records as they
+    arrive, in order, and its subtransaction starts and aborts. Must never raise for a failure of
+    its own: it gives up instead (the transaction is then replayed from the buffer at its end);
+    an exception means the stage behind it failed (the caller restarts replication)."""
+
+    def open(self, xid: int) -> bool:
+        """The first segment of ``xid`` arrived: will it be applied as it streams?"""
+
+    def changes(self, payloads: list[bytes], start: int, stop: int) -> None:
+        """Row changes (Insert, Update, Delete payloads) of the open transaction, still encoded,
+        ``payloads[start:stop]``."""
+
+    def record(self, msg: Change | Relation | Type | Origin) -> None:
+        """Any other record of the open transaction's stream blocks, decoded."""
+
+    def subtransaction(self, subxid: int) -> None:
+        """``subxid``'s first record follows: everything from here on is undone by its abort."""
+
+    def pause(self) -> None:
+        """Stream Stop: nothing more of the transaction until its next segment."""
+
+    def abort(self, subxid: int) -> None:
+        """Stream Abort of a subtransaction that has records (``subtransaction`` was called)."""
+
+    def finish(self, start: TransactionStart, end: TransactionEnd) -> bool:
+        """Stream Commit: commit it with its progress (True), or roll it back (False: the
+        assembler delivers it from the buffer instead)."""
+
+    def cancel(self) -> None:
+        """The transaction is aborted, prepared (Stream Prepare) or dropped: undo everything."""

@@ -461,3 +461,115 @@ def test_a_buffered_row_change_without_a_transaction_id_is_refused(sink: Recordi
     feed(asm, stream_start(93, first=True))
     with pytest.raises(ProtocolSequenceError, match="no valid transaction id"):
         asm.buffer_changes([insert(1, b"a", xid=0)], 0)
+
+
+# -- a streamed transaction applied as it streams (EarlyApply) ------------------------------------
+
+class RecordingEarly:
+    """An EarlyApply that records what it is given; ``finish`` answers ``commits``."""
+
+    def __init__(self, accept: bool = True, commits: bool = True) -> None:
+        self.accept, self.commits = accept, commits
+        self.calls: list[tuple] = []
+
+    def open(self, xid: int) -> bool:
+        self.calls.append(("open", xid))
+        return self.accept
+
+    def changes(self, payloads: list[bytes], start: int, stop: int) -> None:
+        self.calls.append(("changes", tuple(decode(raw, in_stream=True).new_tuple.values[0]
+                                            if raw[0] != ord("D") else
+                                            decode(raw, in_stream=True).old_tuple.values[0]
+                                            for raw in payloads[start:stop])))
+
+    def record(self, msg) -> None:  # noqa: ANN001
+        self.calls.append(("record", type(msg).__name__))
+
+    def subtransaction(self, subxid: int) -> None:
+        self.calls.append(("subtransaction", subxid))
+
+    def pause(self) -> None:
+        self.calls.append(("pause",))
+
+    def abort(self, subxid: int) -> None:
+        self.calls.append(("abort", subxid))
+
+    def finish(self, start: TransactionStart, end: TransactionEnd) -> bool:
+        self.calls.append(("finish", start.xid, end.commit_lsn))
+        return self.commits
+
+    def cancel(self) -> None:
+        self.calls.append(("cancel",))
+
+
+def _early_stream(asm: Assembler) -> None:
+    """xid 70: a Relation, changes of the top level and of subxacts 71 and 72 (72 aborted), in
+    two segments; both fed and buffered undecoded, as the worker does."""
+    feed(asm, stream_start(70, first=True), relation(1, "t", xid=70))
+    block = [insert(1, b"a", xid=70), insert(1, b"b", xid=70), insert(1, b"c", xid=71),
+             update(1, b"d", xid=70), stream_stop()]
+    assert asm.buffer_changes(block, 0) == 4
+    feed(asm, block[-1])
+    feed(asm, stream_start(70, first=False), insert(1, b"e", xid=72), delete(1, b"f", xid=70),
+         stream_stop(), stream_abort(70, 72), stream_abort(70, 73))
+
+
+def test_an_early_transaction_gets_its_records_as_they_stream_cut_at_subtransactions(
+        sink: RecordingSink, spill_dir: Path) -> None:
+    early = RecordingEarly()
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
+    _early_stream(asm)
+    feed(asm, stream_commit(70, 0xE00, 0xE10))
+    assert early.calls == [
+        ("open", 70), ("record", "Relation"), ("changes", (b"a", b"b")), ("subtransaction", 71),
+        ("changes", (b"c", b"d")), ("pause",), ("subtransaction", 72), ("record", "Insert"),
+        ("record", "Delete"), ("pause",), ("abort", 72), ("finish", 70, LSN(0xE00))]
+    # Committed early: nothing is delivered again, and the buffer is gone.
+    assert sink.calls == [] and asm.idle and spill_files(spill_dir) == []
+
+
+def test_an_early_transaction_it_gives_up_on_is_replayed_whole(sink: RecordingSink,
+                                                               spill_dir: Path) -> None:
+    early, fed = RecordingEarly(commits=False), RecordingSink()
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
+    reference = make(fed, spill_dir / "reference")
+    _early_stream(asm)
+    _early_stream(reference)
+    for each in (asm, reference):
+        feed(each, stream_commit(70, 0xE00, 0xE10))
+    assert early.calls[-1] == ("finish", 70, LSN(0xE00))
+    # The abort of 72 cuts everything from its first change on (the delete of f too).
+    assert sink.calls == fed.calls and sink.values() == [b"a", b"b", b"c", b"d"]
+
+
+def test_only_one_transaction_at_a_time_is_applied_early(sink: RecordingSink, spill_dir: Path) -> None:
+    early = RecordingEarly()
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
+    feed(asm, stream_start(80, first=True), relation(1, "t", xid=80), stream_stop(),
+         stream_start(81, first=True), insert(1, b"x", xid=81), stream_stop(),
+         stream_commit(81, 0xF00, 0xF10))
+    assert ("open", 81) not in early.calls and sink.values() == [b"x"]
+    feed(asm, stream_abort(80, 80))
+    assert early.calls == [("open", 80), ("record", "Relation"), ("pause",), ("cancel",)]
+    # Refused: buffered only, and delivered at its commit.
+    refusing = RecordingEarly(accept=False)
+    other = Assembler(RecordingSink(), memory_budget=BUDGET, spill_dir=spill_dir / "o", early=refusing)
+    feed(other, stream_start(82, first=True), insert(1, b"y", xid=82), stream_stop())
+    assert refusing.calls == [("open", 82)]
+
+
+@pytest.mark.parametrize("end", ["prepare", "close", "restreamed"])
+def test_an_early_transaction_is_cancelled_when_it_does_not_simply_commit(
+        sink: RecordingSink, spill_dir: Path, end: str) -> None:
+    early = RecordingEarly()
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
+    feed(asm, stream_start(90, first=True), insert(1, b"z", xid=90), stream_stop())
+    if end == "prepare":
+        feed(asm, stream_prepare(90, 0x100, 0x110, "g"))
+        assert [name for name, _ in sink.calls] == ["begin", "change", "prepare"]
+    elif end == "close":
+        asm.close()
+    else:
+        feed(asm, commit_prepared(90, 0x200, 0x210, "g"))
+    assert early.calls[-1] == ("cancel",) and early.calls.count(("cancel",)) == 1
+    assert not any(call[0] == "finish" for call in early.calls)

@@ -163,6 +163,12 @@ OPTIONS: tuple[Option, ...] = (
            default=5, commands=("peek",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
+    Option("streamed_apply", "When a streamed (large, still running) source transaction is "
+           "applied. early: as it streams, in a second target session, committed at its Stream "
+           "Commit (one such transaction at a time; one that holds a TRUNCATE, a logical message "
+           "or an Origin, or meets a conflict, is applied at its commit instead). commit: "
+           "buffered (spilled beyond --memory-budget) and applied at its commit.",
+           kind="choice", choices=("early", "commit"), default="early"),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget. Default: a directory per slot under the system temp directory.", kind="path",
            commands=("run", "sync", "status")),

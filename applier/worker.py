@@ -21,7 +21,15 @@ commit order. Data flows one way through five stages, each in its own package:
   held per xid as raw bytes (row changes are not even decoded until replayed), within a memory
   budget shared by all of them and spilled to local files beyond it; a subtransaction abort cuts
   exactly that subtransaction and the ones started after it; at Stream Commit the transaction
-  is replayed in order.
+  is replayed in order. One streamed transaction at a time is also applied as it streams
+  (``apply/streaming.py``, PostgreSQL's parallel apply in spirit): in a second target session,
+  with a savepoint where each subtransaction begins, committed with its progress row at its
+  Stream Commit after everything committed before it. The two sessions take turns writing (and
+  holding the replication origin); while that transaction is open, the main session runs with a
+  lock_timeout, so a lock it would wait for in vain ends the session instead of hanging it, and
+  the transaction is then applied at its commit. Whatever the early session does not handle
+  (a TRUNCATE, a logical message, an Origin, a conflict, a Stream Prepare) makes it roll back,
+  and the buffered copy is replayed at Stream Commit as before.
 * ``apply`` maps each source relation to the target table of the same schema-qualified name and
   its columns by name, and executes cached, prepared statements whose parameters are the bytes
   received, in the format they arrived in, cast by the target column's type. The target session
@@ -114,6 +122,7 @@ from .apply.lane import Lane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
+from .apply.streaming import StreamingApply
 from .apply.skipping import request_skip
 from .assembler import Assembler, ProtocolSequenceError
 from .config import ConfigError, Settings, mask_dsn
@@ -184,6 +193,8 @@ class Worker:
         # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
         self.telemetry = Telemetry.from_settings(settings, self.slot)
         self._warned: set[str] = set()
+        # Streamed xids whose early apply was open when a session ended: applied at their commit.
+        self._refused_early: set[int] = set()
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -255,8 +266,7 @@ class Worker:
         assert self._engine is not None
         engine = self._engine
         applied = read_position(engine, self.slot) or AppliedPosition(LSN(0), LSN(0))
-        target = TargetSession(settings.target, application_name=f"applier {self.slot}",
-                               synchronous_commit=settings.synchronous_commit)
+        target = self._target_session()
         self._unflushed.clear()
         try:
             control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
@@ -266,6 +276,7 @@ class Worker:
         stream: ReplicationStream | None = None
         assembler: Assembler | None = None
         applier: TargetApplier | None = None
+        early: StreamingApply | None = None
         try:
             slot_two_phase = self._check_source(control)
             probe_version = control.info.server_version
@@ -304,13 +315,16 @@ class Worker:
                                     track_target_lsn=settings.synchronous_commit == "off",
                                     sync_filter=sync_filter,
                                     extensions=self._extensions(target, options))
+            if settings.streamed_apply == "early" and options.streaming != "off":
+                early = StreamingApply(applier, lambda: self._target_session("streamed"),
+                                       self._reflector(engine), self._refused_early)
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir,
-                                  heartbeat=stream.send_status_if_due)
+                                  heartbeat=stream.send_status_if_due, early=early)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
                      applied.commit_lsn, options.sql())
             stream.start(applied.end_lsn)
-            self._stream_loop(stream, assembler, applier, control)
+            self._stream_loop(stream, assembler, applier, early, control)
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
             if isinstance(exc, ApplyError) and exc.careful_until is not None:
                 self.careful_until = max(self.careful_until, exc.careful_until)
@@ -331,11 +345,18 @@ class Worker:
                 steps.insert(0, assembler.close)
             if applier is not None:
                 steps.insert(0, applier.abort_open_transaction)
+            if early is not None:
+                steps.insert(0, early.close)
             for step in steps:
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the session is ending; its cause is reported
                     log.debug("cleanup step %s failed: %s", step.__qualname__, exc)
+
+    def _target_session(self, role: str | None = None) -> TargetSession:
+        name = f"applier {self.slot}" + (f" ({role})" if role else "")
+        return TargetSession(self.settings.target, application_name=name,
+                             synchronous_commit=self.settings.synchronous_commit)
 
     def _extensions(self, target: TargetSession, options: StreamOptions) -> Extensions:
         settings = self.settings.values
@@ -389,7 +410,7 @@ class Worker:
         return info.two_phase
 
     def _stream_loop(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier,
-                     control: psycopg.Connection) -> None:
+                     early: StreamingApply | None, control: psycopg.Connection) -> None:
         lane = applier.lane
 
         def hand_back(begin: bytes) -> None:
@@ -407,13 +428,16 @@ class Worker:
             batch = stream.read_batch(timeout=0 if applier.holds_uncommitted or past_goal
                                       else 0.05 if waiting else 0.5)
             _feed(batch, assembler, lane, hand_back)
+            # A streamed transaction may stay open on the source for as long as it likes: what
+            # committed meanwhile is committed here the moment the stream pauses all the same.
+            if not batch and applier.holds_uncommitted and assembler.between_transactions:
+                applier.flush(durable=True)
+            if self._unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
+                self._confirm_flushed(stream, early.flushed_wal_lsn if early is not None
+                                      else applier.session.flushed_wal_lsn)
+                last_flush_check = time.monotonic()
             if not assembler.idle:
                 continue
-            if not batch and applier.holds_uncommitted:
-                applier.flush(durable=True)
-            if self._unflushed and time.monotonic() - last_flush_check >= 0.1:
-                self._confirm_flushed(stream, applier)
-                last_flush_check = time.monotonic()
             if not applier.holds_uncommitted and not self._unflushed:
                 # Nothing open, buffered or unflushed: everything the server sent is applied and
                 # durable, so the position it last reported having sent is safe to confirm too.
@@ -430,9 +454,9 @@ class Worker:
                 return
         raise _StopRequested()
 
-    def _confirm_flushed(self, stream: ReplicationStream, applier: TargetApplier) -> None:
+    def _confirm_flushed(self, stream: ReplicationStream, flushed_wal_lsn: Callable[[], str]) -> None:
         """synchronous_commit = off: confirm the source positions whose target commits are on disk."""
-        flushed = LSN.parse(applier.session.flushed_wal_lsn())
+        flushed = LSN.parse(flushed_wal_lsn())
         while self._unflushed and self._unflushed[0][0] <= flushed:
             stream.confirm(self._unflushed.popleft()[1])
 
@@ -504,6 +528,8 @@ def _summary(applier: TargetApplier) -> str:
     counts = applier.applied_counts
     text = (f"this session applied {counts['transactions']} transaction(s): "
             + ", ".join(f"{counts[kind]} {kind}" for kind in ("insert", "update", "delete", "truncate")))
+    if counts["streamed_early"]:
+        text += f"; {counts['streamed_early']} streamed transaction(s) applied as they streamed"
     if counts["skipped_origin"]:
         text += f"; dropped {counts['skipped_origin']} transaction(s) from skipped origins"
     if applier.conflicts:

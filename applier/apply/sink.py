@@ -657,8 +657,26 @@ class TargetApplier:
             self.flush()
 
     def send_part(self) -> None:
-        """Send what the batch holds ahead of its commit (the lane's part is due)."""
-        self._send_batch()
+        """Send what the batch holds ahead of its commit (the lane's part is due, or a stream
+        block of the transaction applied as it streams ended)."""
+        if self._batch:
+            self._send_batch()
+
+    # -- savepoints (the transaction applied as it streams, streaming.py) -------------------------
+    def savepoint(self, name: str) -> None:
+        """A savepoint (``name`` quoted) in the open target transaction, in order with the
+        changes around it: it is sent with them, and no change is folded across it."""
+        self._batch.statement(f"SAVEPOINT {name}")
+
+    def rollback_to_savepoint(self, name: str) -> None:
+        """Undo every change since the savepoint ``name`` (quoted)."""
+        if self._batch:
+            self._send_batch()  # the savepoint itself may still be in the batch
+        self._sql(f"ROLLBACK TO SAVEPOINT {name}")
+
+    def settle(self) -> None:
+        """Wait for the outcome of the rows sent ahead (a failure raises ``ApplyError``)."""
+        self._settle()
 
     def _not_in_copy(self, msg: Insert | Update | Delete | Truncate | Message
                      ) -> Insert | Update | Delete | Truncate | Message | None:

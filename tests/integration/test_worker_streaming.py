@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import psycopg
@@ -121,3 +122,105 @@ def test_transaction_ten_times_the_memory_budget_spills_and_stays_bounded(source
     growth_mb = (peak - baseline) / 1024
     assert growth_mb < budget_mb + 24, f"peak RSS grew {growth_mb:.1f} MB (baseline {baseline} KiB)"
     assert list(spill_dir.iterdir()) == [], "spill files outlived their transaction"
+
+
+# -- applied as it streams (--streamed-apply early, the default) ---------------------------------
+
+def _early_session(target_db) -> list[tuple]:
+    """The worker's second target session: (state, holds a transaction id)."""
+    return target_db.query("SELECT state, backend_xid IS NOT NULL FROM pg_stat_activity "
+                           "WHERE application_name = 'applier s (streamed)'")
+
+
+def test_streamed_transaction_is_applied_as_it_streams_and_visible_only_at_commit(
+        source_db, target_db, tmp_path: Path) -> None:
+    _prepare(source_db, target_db)
+    proc = start_worker(source_db, target_db, log_path=tmp_path / "worker.log")
+    try:
+        with source_db.connect() as conn:
+            conn.execute("BEGIN")
+            conn.execute(_batch("big", 0, rows=6000))
+            # The early session writes while the source transaction is still open; the main
+            # session and any reader see nothing of it.
+            wait_for(lambda: _early_session(target_db) == [("idle in transaction", True)],
+                     timeout=60, what="the early session holding the open streamed transaction")
+            assert target_db.query("SELECT count(*) FROM t") == [(0,)]
+            conn.execute(_batch("big", 10_000, rows=3000))
+            conn.execute("COMMIT")
+        wait_for(lambda: target_db.query("SELECT count(*) FROM t")[0][0] == 9000, timeout=60,
+                 what="the streamed transaction on the target")
+    finally:
+        assert stop_worker(proc) == 0
+    assert_same_rows(source_db, target_db, "t")
+    log = (tmp_path / "worker.log").read_text()
+    assert "applied at its commit instead" not in log, log[-3000:]
+    assert "1 streamed transaction(s) applied as they streamed" in log, log[-3000:]
+    # The origin position moved with the early session's commit (it held the origin then).
+    end_lsn = target_db.query("SELECT end_lsn FROM applier.progress")[0][0]
+    assert target_db.query("SELECT remote_lsn FROM pg_replication_origin_status") == [(end_lsn,)]
+
+
+def test_plain_transactions_commit_between_the_segments_of_an_early_one(source_db, target_db) -> None:
+    """The right to write and the replication origin go back and forth between the sessions;
+    commit order holds: the plain transactions update a row the streamed one updates later."""
+    _prepare(source_db, target_db)
+    source_db.execute("INSERT INTO t VALUES (-1, 'counter', '0')")
+    run_worker(source_db, target_db)
+    proc = start_worker(source_db, target_db)
+    try:
+        with source_db.connect() as big:
+            big.execute("BEGIN")
+            for round_ in range(4):
+                big.execute(_batch("big", round_ * 2000, rows=2000))
+                with source_db.connect() as small:
+                    small.execute(f"INSERT INTO t VALUES ({-100 - round_}, 'small', '')")
+                    small.execute("UPDATE t SET pad = (pad::int + 1)::text WHERE id = -1")
+                time.sleep(0.3)
+            big.execute("SAVEPOINT s1")
+            big.execute(_batch("gone", 50_000, rows=2000))
+            big.execute("ROLLBACK TO SAVEPOINT s1")
+            big.execute("UPDATE t SET pad = '100' WHERE id = -1")
+            big.execute("COMMIT")
+        source_db.execute("UPDATE t SET pad = (pad::int + 1)::text WHERE id = -1")
+        wait_for(lambda: target_db.query("SELECT pad FROM t WHERE id = -1") == [("101",)],
+                 timeout=60, what="the last update of the counter row")
+    finally:
+        assert stop_worker(proc) == 0
+    assert_same_rows(source_db, target_db, "t")
+    assert target_db.query("SELECT batch, count(*) FROM t GROUP BY batch ORDER BY batch") == [
+        ("big", 8000), ("counter", 1), ("small", 4)]
+
+
+def test_a_target_lock_the_early_transaction_holds_does_not_hang_the_worker(
+        source_db, target_db, tmp_path: Path) -> None:
+    """A trigger only the target has makes every insert update one row: the main session then
+    waits for the open early transaction's row lock. The lock timeout ends the wait, the session
+    restarts, and the streamed transaction is applied at its commit; the trigger's effect shows
+    that every row was applied exactly once."""
+    _prepare(source_db, target_db)
+    target_db.execute("CREATE TABLE inserted (n int)")
+    target_db.execute("INSERT INTO inserted VALUES (0)")
+    target_db.execute("CREATE FUNCTION count_insert() RETURNS trigger LANGUAGE plpgsql AS "
+                      "$$BEGIN UPDATE public.inserted SET n = n + 1; RETURN NEW; END$$")
+    target_db.execute("CREATE TRIGGER count_insert AFTER INSERT ON t FOR EACH ROW "
+                      "EXECUTE FUNCTION count_insert()")
+    target_db.execute("ALTER TABLE t ENABLE ALWAYS TRIGGER count_insert")
+    proc = start_worker(source_db, target_db, log_path=tmp_path / "worker.log")
+    try:
+        with source_db.connect() as big:
+            big.execute("BEGIN")
+            big.execute(_batch("big", 0, rows=3000))
+            wait_for(lambda: _early_session(target_db) == [("idle in transaction", True)],
+                     timeout=60, what="the early session holding the open streamed transaction")
+            source_db.execute("INSERT INTO t VALUES (-1, 'small', '')")
+            wait_for(lambda: target_db.query("SELECT count(*) FROM t WHERE id = -1") == [(1,)],
+                     timeout=90, what="the plain transaction past the lock")
+            big.execute("COMMIT")
+        wait_for(lambda: target_db.query("SELECT count(*) FROM t")[0][0] == 3001, timeout=90,
+                 what="the streamed transaction on the target")
+    finally:
+        assert stop_worker(proc) == 0
+    assert_same_rows(source_db, target_db, "t")
+    assert target_db.query("SELECT n FROM inserted") == [(3001,)]
+    log = (tmp_path / "worker.log").read_text()
+    assert "lock timeout" in log, log[-3000:]

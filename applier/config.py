@@ -165,9 +165,10 @@ OPTIONS: tuple[Option, ...] = (
            "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
     Option("streamed_apply", "When a streamed (large, still running) source transaction is "
            "applied. early: as it streams, in a second target session, committed at its Stream "
-           "Commit (one such transaction at a time; one that holds a TRUNCATE, a logical message "
-           "or an Origin, or meets a conflict, is applied at its commit instead). commit: "
-           "buffered (spilled beyond --memory-budget) and applied at its commit.",
+           "Commit (one such transaction at a time; one that holds a logical message or an "
+           "Origin, meets a conflict or a lock wait of over 5 s, or ends in a Stream Prepare is "
+           "applied at its commit instead, the source sending it again). commit: buffered "
+           "(spilled beyond --memory-budget) and applied at its commit.",
            kind="choice", choices=("early", "commit"), default="early"),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget. Default: a directory per slot under the system temp directory.", kind="path",

@@ -21,15 +21,15 @@ commit order. Data flows one way through five stages, each in its own package:
   held per xid as raw bytes (row changes are not even decoded until replayed), within a memory
   budget shared by all of them and spilled to local files beyond it; a subtransaction abort cuts
   exactly that subtransaction and the ones started after it; at Stream Commit the transaction
-  is replayed in order. One streamed transaction at a time is also applied as it streams
+  is replayed in order. One streamed transaction at a time is instead applied as it streams
   (``apply/streaming.py``, PostgreSQL's parallel apply in spirit): in a second target session,
   with a savepoint where each subtransaction begins, committed with its progress row at its
   Stream Commit after everything committed before it. The two sessions take turns writing (and
-  holding the replication origin); while that transaction is open, the main session runs with a
-  lock_timeout, so a lock it would wait for in vain ends the session instead of hanging it, and
-  the transaction is then applied at its commit. Whatever the early session does not handle
-  (a TRUNCATE, a logical message, an Origin, a conflict, a Stream Prepare) makes it roll back,
-  and the buffered copy is replayed at Stream Commit as before.
+  holding the replication origin). Its row changes are not buffered, so when that session must
+  give up after taking some (a logical message, a conflict, a Stream Prepare, a lock wait past
+  its lock_timeout, which the main session also has while that transaction is open, so that
+  neither can hang the single-threaded worker), the replication session restarts: the source
+  sends the transaction again, and it is buffered and applied at its commit.
 * ``apply`` maps each source relation to the target table of the same schema-qualified name and
   its columns by name, and executes cached, prepared statements whose parameters are the bytes
   received, in the format they arrived in, cast by the target column's type. The target session

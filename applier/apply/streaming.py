@@ -19,12 +19,19 @@ explicitly:
   is open the main session runs with a ``lock_timeout``: such a wait ends in an error, the
   session restarts, and that transaction is applied at its commit instead;
 - the worker's replication origin (which one session at a time may hold) moves with the right to
-  write, so every change is tagged as before.
+  write, so every change is tagged as before;
+- the early session itself always runs with that ``lock_timeout``: what it may wait for without
+  end includes a transaction the target holds prepared (a streamed prepared transaction the
+  source sends again after a restart is applied here again until its Stream Prepare), and the
+  worker waits for it.
 
-Must never commit anything but a whole source transaction in its commit order, and never raise
-for a failure of its own: it gives up on the transaction instead (rolls it back), and the
-assembler, which buffered the transaction all the same, delivers it at its end to the main
-session. Errors of the main session (committing what it holds) do propagate.
+The assembler keeps no copy of the row changes taken here (a streamed transaction is not
+buffered twice). So giving up is quiet only until the first of them is taken (the assembler then
+buffers the transaction as any other); after that, giving up (a conflict, a logical message, an
+error, a Stream Prepare) rolls back and ends the replication session with a transient
+``ApplyError``: the source sends the transaction again from its start, and it is then buffered
+and applied at its commit (its xid is remembered as refused). Must never commit anything but a
+whole source transaction in its commit order.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from collections.abc import Callable
 from datetime import datetime, timezone
 
 from ..assembler import Change, TransactionEnd, TransactionStart, deliver
-from ..protocol import LSN, Delete, Insert, Origin, Relation, Type, Update
+from ..protocol import LSN, Delete, Insert, Origin, Relation, Truncate, Type, Update
 from .conflicts import ConflictHandler
 from .extensions import Extensions
 from .messages import MessageSink
@@ -46,16 +53,18 @@ from .session import TargetError, TargetSession
 from .sink import ApplyError, BatchLimits, TargetApplier
 from .skipping import SkipRequests
 
-__all__ = ["StreamingApply", "MAIN_LOCK_TIMEOUT"]
+__all__ = ["StreamingApply", "LOCK_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
-#: lock_timeout of the main session while an early transaction is open (see the module text).
-MAIN_LOCK_TIMEOUT = "5s"
+#: lock_timeout of the early session, and of the main one while an early transaction is open
+#: (see the module text).
+LOCK_TIMEOUT = "5s"
 #: The early transaction's commit LSN is not known before its Stream Commit.
 _UNKNOWN_LSN = LSN(2**64 - 1)
 _UNKNOWN_TIME = datetime.fromtimestamp(0, timezone.utc)
-_ROW_CHANGES = (Insert, Update, Delete)
+#: The changes applied here (the others leave the transaction to be applied at its commit).
+_APPLIED = (Insert, Update, Delete, Truncate)
 _ORIGIN_RESET = "SELECT pg_catalog.pg_replication_origin_session_reset()"
 _ORIGIN_SETUP = "SELECT pg_catalog.pg_replication_origin_session_setup($1)"
 
@@ -74,13 +83,14 @@ class StreamingApply:
         #: Streamed xids not to apply early again (their early apply ended a session).
         self._refused = refused
         self._xid: int | None = None      # the transaction open here
-        self._failed = False              # given up on: it is applied at its end instead
+        #: Changes of it were taken here that the assembler keeps no copy of.
+        self._taken = False
         self._savepoints: list[int] = []  # subxids with a savepoint, oldest first
         #: Relation messages of the open transaction: the server counts them as sent once it
         #: commits, so the main session learns them then (the replay would deliver them).
         self._relations: list[Relation] = []
         self._writing = False             # this session (not the main one) may write now
-        self._main_timeout = False        # the main session runs with MAIN_LOCK_TIMEOUT
+        self._main_timeout = False        # the main session runs with LOCK_TIMEOUT
         # The early session is connected at the first streamed transaction.
         self.session: TargetSession | None = None
         self._applier: TargetApplier | None = None
@@ -96,6 +106,7 @@ class StreamingApply:
             return not self.session.conn.closed and not self.session.conn.broken
         try:
             session = self.session = self._connect()
+            session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
         except TargetError as exc:
             log.warning("streamed transactions are applied at their commit: cannot open a second "
                         "target session (%s)", exc)
@@ -124,100 +135,102 @@ class StreamingApply:
                 or main.extensions.skips.lsn is not None or not self._start()):
             return False
         self._xid = xid
-        self._failed = False
-        self._take_over()
-        if not self._failed:
-            try:
-                self.applier.applied = main.applied
-                self.applier.begin(TransactionStart(xid, _UNKNOWN_LSN, _UNKNOWN_TIME, streamed=True,
-                                                    gid=None, end_lsn=None))
-            except (ApplyError, TargetError) as exc:
-                self._give_up(str(exc))
-        if self._failed:
-            self._end()
+        if not self._take_over():
+            return False
+        try:
+            self.applier.applied = main.applied
+            self.applier.begin(TransactionStart(xid, _UNKNOWN_LSN, _UNKNOWN_TIME, streamed=True,
+                                                gid=None, end_lsn=None))
+        except (ApplyError, TargetError) as exc:
+            self._give_up(str(exc))  # nothing taken yet: quietly
             return False
         log.debug("applying streamed transaction %d as it streams", xid)
         return True
 
-    def changes(self, payloads: list[bytes], start: int, stop: int) -> None:
-        if self._failed:
-            return
-        self._take_over()
-        self._apply(lambda: deliver(self.applier, payloads[start:stop]))
+    def changes(self, payloads: list[bytes], start: int, stop: int) -> bool:
+        if self._xid is None or not self._take_over():
+            return False
+        return self._take(lambda: deliver(self.applier, payloads[start:stop]))
 
-    def record(self, msg: Change | Relation | Type | Origin) -> None:
-        if self._failed:
-            return
-        kind = type(msg)
-        if kind is Type:
-            self.applier.type(msg)  # type: ignore[arg-type]
-        elif kind is Relation:
-            self._relations.append(msg)  # type: ignore[arg-type]
-            self._take_over()  # what the batch holds is sent before the definition changes
-            self._apply(lambda: self.applier.relation(msg))  # type: ignore[arg-type]
-        elif kind in _ROW_CHANGES:
-            self._take_over()
-            self._apply(lambda: self.applier.change(msg))  # type: ignore[arg-type]
-        else:
+    def change(self, msg: Change | Origin) -> bool:
+        if self._xid is None:
+            return False
+        if type(msg) not in _APPLIED:
             # An Origin (the transaction was itself replicated: origin filtering and tracking
-            # decide at its begin), TRUNCATE or a logical message: left to the main session.
-            self._give_up(f"it holds a {msg.type_name} message")
+            # decide at its begin) or a logical message (recorded with its commit LSN).
+            self._give_up(f"it holds {msg.type_name} message")
+            return False
+        if not self._take_over():
+            return False
+        return self._take(lambda: self.applier.change(msg))  # type: ignore[arg-type]
+
+    def schema(self, msg: Relation | Type) -> None:
+        if self._xid is None:
+            return
+        if type(msg) is Type:
+            self.applier.type(msg)  # type: ignore[arg-type]
+            return
+        self._relations.append(msg)  # type: ignore[arg-type]
+        # What the batch holds is sent before the definition changes: this session writes.
+        if self._take_over():
+            self._step(lambda: self.applier.relation(msg))  # type: ignore[arg-type]
 
     def subtransaction(self, subxid: int) -> None:
-        if self._failed:
+        if self._xid is None:
             return
         self._savepoints.append(subxid)
         self.applier.savepoint(_savepoint(subxid))
 
     def pause(self) -> None:
-        if self._failed or not self._writing:
-            return
-        self._apply(self.applier.send_part)
+        if self._xid is not None and self._writing:
+            self._step(self.applier.send_part)
 
     def abort(self, subxid: int) -> None:
-        if self._failed or subxid not in self._savepoints:
-            return
-        self._take_over()
-        del self._savepoints[self._savepoints.index(subxid):]
-        self._apply(lambda: self.applier.rollback_to_savepoint(_savepoint(subxid)))
-
-    def finish(self, start: TransactionStart, end: TransactionEnd) -> bool:
-        main = self.main
-        if not self._failed:
-            if (end.commit_lsn <= main.applied.commit_lsn or end.commit_lsn <= main.careful_until
-                    or main.extensions.skips.lsn is not None):
-                # Already applied, to be redone carefully, or perhaps to be skipped: the main
-                # session's begin decides, as for any other transaction.
-                self._give_up("its commit is not simply applied")
-            else:
-                self._take_over()
-        if not self._failed:
-            applier = self.applier
-            applier.applied = main.applied
-            try:
-                applier.commit(end)
-                applier.flush()
-            except ApplyError as exc:
-                if exc.careful_until is None:
-                    raise  # a lost connection: whether COMMIT happened is unknown; restart
-                self._give_up(str(exc))
-        applied = not self._failed
-        if applied:
-            for relation in self._relations:
-                main.relation(relation)
-            main.applied = self.applier.applied
-            main.applied_counts.update(self.applier.applied_counts)
-            main.applied_counts["streamed_early"] += 1
-            self.applier.applied_counts.clear()
-        self._end()
-        return applied
-
-    def cancel(self) -> None:
         if self._xid is None:
             return
-        if not self._failed:
-            self._give_up("it was aborted or prepared")
+        if subxid == self._xid:
+            self._give_up("it was aborted", quietly=True)
+        elif subxid in self._savepoints and self._take_over():
+            del self._savepoints[self._savepoints.index(subxid):]
+            self._step(lambda: self.applier.rollback_to_savepoint(_savepoint(subxid)))
+
+    def finish(self, start: TransactionStart, end: TransactionEnd) -> bool:
+        if self._xid is None:
+            return False
+        main = self.main
+        if end.commit_lsn <= main.applied.commit_lsn:
+            # Sent again after a restart, though committed before it: discarded whole.
+            log.info("skipping transaction %d at %s: already applied (recorded position %s)",
+                     end.xid, end.commit_lsn, main.applied.commit_lsn)
+            self._give_up("it was applied already", quietly=True)
+            self._learn_relations()
+            return True
+        if end.commit_lsn <= main.careful_until or main.extensions.skips.lsn is not None:
+            self._give_up("its stretch is redone row by row, or skipped")
+            return False
+        if not self._take_over():
+            return False
+        applier = self.applier
+        applier.applied = main.applied
+        try:
+            applier.commit(end)
+            applier.flush()
+        except ApplyError as exc:
+            if exc.careful_until is None:
+                raise  # a lost connection: whether COMMIT happened is unknown; restart
+            self._give_up(str(exc))
+            return False
+        self._learn_relations()
+        main.applied = applier.applied
+        main.applied_counts.update(applier.applied_counts)
+        main.applied_counts["streamed_early"] += 1
+        applier.applied_counts.clear()
         self._end()
+        return True
+
+    def cancel(self) -> None:
+        if self._xid is not None:
+            self._give_up("it is to be delivered whole (Stream Prepare)")
 
     # -- the worker ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -238,7 +251,7 @@ class StreamingApply:
     def flushed_wal_lsn(self) -> str:
         """The target's flushed WAL position, asked in the session that may write now (so that
         asking moves nothing between the sessions)."""
-        if self._writing and not self._failed:
+        if self._writing:
             try:
                 self.applier.settle()
                 return self.applier.session.flushed_wal_lsn()
@@ -247,10 +260,11 @@ class StreamingApply:
         return self.main.session.flushed_wal_lsn()
 
     # -- handing over the right to write ---------------------------------------------------------
-    def _take_over(self) -> None:
-        """Make this session the one that writes: the main one commits what it holds first."""
-        if self._writing or self._failed:
-            return
+    def _take_over(self) -> bool:
+        """Make this session the one that writes: the main one commits what it holds first
+        (its errors propagate). False: this session failed, and the transaction is given up."""
+        if self._writing:
+            return True
         main = self.main
         main.flush()
         if self._origin is not None:
@@ -258,11 +272,12 @@ class StreamingApply:
             try:
                 self.applier.session.sql(_ORIGIN_SETUP, [self._origin])
             except TargetError as exc:
-                self._give_up(str(exc))
                 main.session.sql(_ORIGIN_SETUP, [self._origin])
-                return
+                self._give_up(str(exc))
+                return False
         self._writing = True
         main.session.pending = self._hand_back
+        return True
 
     def _hand_back(self) -> None:
         """The main session is about to run a statement: this one finishes what it sent and
@@ -270,27 +285,24 @@ class StreamingApply:
         main_session = self.main.session
         main_session.pending = None
         self._writing = False
-        if not self._failed:
-            try:
-                self.applier.settle()
-                if self._origin is not None:
-                    self.applier.session.sql(_ORIGIN_RESET)
-            except (ApplyError, TargetError) as exc:
-                self._give_up(str(exc))
-        elif self._origin is not None:
+        try:
+            self.applier.settle()
+        except (ApplyError, TargetError) as exc:
+            self._give_up(str(exc))
+        if self._origin is not None:
             try:
                 self.applier.session.sql(_ORIGIN_RESET)
-            except TargetError:
-                pass  # a lost early session holds no origin once its backend is gone
-        if self._origin is not None:
+            except TargetError as exc:  # a lost session's backend lets go of it as it ends
+                log.debug("the early session could not let go of the origin: %s", exc)
             main_session.sql(_ORIGIN_SETUP, [self._origin])
-        if self._xid is not None and not self._failed and not self._main_timeout:
-            main_session.sql(f"SET lock_timeout = '{MAIN_LOCK_TIMEOUT}'")
+        if self._xid is not None and not self._main_timeout:
+            main_session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
             self._main_timeout = True
 
     def _end(self) -> None:
-        """The open transaction is over (committed or given up)."""
+        """The open transaction is over (committed or rolled back)."""
         self._xid = None
+        self._taken = False
         self._savepoints.clear()
         self._relations.clear()
         if self._main_timeout:
@@ -298,22 +310,46 @@ class StreamingApply:
             self.main.session.sql("SET lock_timeout TO DEFAULT")
             self._main_timeout = False
 
-    def _apply(self, step: Callable[[], None]) -> None:
+    def _learn_relations(self) -> None:
+        for relation in self._relations:
+            self.main.relation(relation)
+
+    def _take(self, step: Callable[[], None]) -> bool:
+        """Apply changes the assembler then keeps no copy of: True, or False if given up on
+        before any such change was taken (the assembler then buffers them)."""
+        try:
+            step()
+        except (ApplyError, TargetError) as exc:
+            self._give_up(str(exc))
+            return False
+        self._taken = True
+        return True
+
+    def _step(self, step: Callable[[], None]) -> None:
         try:
             step()
         except (ApplyError, TargetError) as exc:
             self._give_up(str(exc))
 
-    def _give_up(self, reason: str) -> None:
-        """Roll the early transaction back: the assembler delivers it at its end instead."""
-        log.info("streamed transaction %s is applied at its commit instead of as it streams: %s",
-                 self._xid, reason)
-        self._failed = True
-        self._savepoints.clear()
+    def _give_up(self, reason: str, quietly: bool = False) -> None:
+        """Roll the early transaction back. Once it holds changes the assembler kept no copy of,
+        only the source has them: the session must restart (unless ``quietly``: the transaction
+        is not wanted at all), and this transaction is then applied at its commit."""
+        xid, taken = self._xid, self._taken
         try:
             self.applier.abort_open_transaction()
         except TargetError as exc:
             log.debug("rolling back the early session failed: %s", exc)
+        self._end()
+        if taken and not quietly:
+            assert xid is not None
+            self._refused.add(xid)
+            raise ApplyError(f"streamed transaction {xid} cannot be applied as it streams: {reason}; "
+                             "restarting replication, so that the source sends it again, to be "
+                             "applied at its commit", transient=True)
+        if not quietly:
+            log.info("streamed transaction %s is applied at its commit instead of as it streams: %s",
+                     xid, reason)
 
 
 def _savepoint(subxid: int) -> str:

@@ -4,11 +4,10 @@ Owns the transaction structure of the replication stream: which messages may fol
 passing plain transactions straight through, and buffering streamed (in-progress) transactions
 per top-level xid until their Stream Commit or Stream Prepare, with subtransaction aborts and a
 memory budget enforced by spilling to local files (PostgreSQL's apply worker in serialize mode,
-worker.c, is the behavioural model). One streamed transaction at a time may also be passed on
-as it streams to an ``EarlyApply`` (PostgreSQL's parallel apply is the model there); it stays
-buffered all the same, so that it can still be delivered whole at its end. Must never apply
-anything, touch a database or the network, or keep message objects of a streamed transaction in
-memory (only their raw bytes).
+worker.c, is the behavioural model). One streamed transaction at a time may instead be passed
+on as it streams to an ``EarlyApply`` (PostgreSQL's parallel apply is the model there), which
+then holds the only copy of its row changes. Must never apply anything, touch a database or the
+network, or keep message objects of a streamed transaction in memory (only their raw bytes).
 
 If the sink raises, the assembler's state for the transaction being delivered is gone: the caller
 must ``close()`` and restart replication from the server, which resends the transaction.
@@ -67,6 +66,7 @@ class Assembler:
         self._streams: dict[int, StreamBuffer] = {}  # every open streamed xid, in start order
         self._early = early
         self._early_xid: int | None = None  # the streamed xid being applied as it streams
+        self._early_subxids: set[int] = set()  # its subtransactions seen so far
         self._memory_bytes = 0
         self._handlers: dict[type, Callable[[Any, bytes], None]] = {
             Insert: self._change, Update: self._change, Delete: self._change,
@@ -143,35 +143,42 @@ class Assembler:
         return len(payloads)
 
     def _buffer_early(self, block: StreamBuffer, payloads: list[bytes], start: int) -> int:
-        """``buffer_changes`` for the transaction applied as it streams: the same buffering, and
-        the changes passed on in runs cut where a subtransaction begins."""
+        """``buffer_changes`` for the transaction applied as it streams: its changes go there in
+        runs cut where a subtransaction begins, and are not buffered (unless it declines)."""
         early = self._early
         assert early is not None
-        buffer = self._buffer
+        subxids, xid = self._early_subxids, block.xid
         passed = index = start
         count = len(payloads)
         while index < count:
             raw = payloads[index]
-            name = _ROW_CHANGES.get(raw[0])
-            if name is None or len(raw) < 5:
+            if raw[0] not in _ROW_CHANGES or len(raw) < 5:
                 break
             subxid = int.from_bytes(raw[1:5], "big")
-            opens = block.opens_subxact(subxid)
-            if opens and index > passed:
-                early.changes(payloads, passed, index)
+            if subxid != xid and subxid not in subxids:
+                if index > passed and not early.changes(payloads, passed, index):
+                    return self._decline_early(payloads, passed)
                 passed = index
-            buffer(subxid, raw, name)
-            if opens:
+                if not subxid:
+                    raise self._no_xid(block, subxid, _ROW_CHANGES[raw[0]])
+                subxids.add(subxid)
                 early.subtransaction(subxid)
             index += 1
-        if index > passed:
-            early.changes(payloads, passed, index)
+        if index > passed and not early.changes(payloads, passed, index):
+            return self._decline_early(payloads, passed)
         return index
+
+    def _decline_early(self, payloads: list[bytes], start: int) -> int:
+        """The early apply declined the transaction before taking any change: buffer it from
+        here on, as any other."""
+        self._early_xid = None
+        self._early_subxids.clear()
+        return self.buffer_changes(payloads, start)
 
     def close(self) -> None:
         """Drop every buffered transaction and remove all spill files (the one applied as it
         streams is rolled back)."""
-        self._cancel_early()
+        self._abort_early()
         for buffer in self._streams.values():
             buffer.remove()
         self._streams.clear()
@@ -221,25 +228,14 @@ class Assembler:
 
     def _buffer(self, subxid: int | None, raw: bytes, what: str,
                 msg: Change | Relation | Type | Origin | None = None) -> None:
-        """Buffer one record of the stream block; ``msg``, the record decoded, is also passed on
-        when its transaction is applied as it streams."""
+        """Buffer one record of the stream block. When its transaction is applied as it streams,
+        ``msg`` (the record decoded) goes there instead (a schema message: as well)."""
         block = self._block
         assert block is not None
-        if msg is not None and block.xid == self._early_xid:
-            early = self._early
-            assert early is not None
-            opens = bool(subxid) and block.opens_subxact(subxid)  # type: ignore[arg-type]
-            self._buffer(subxid, raw, what)
-            if opens:
-                early.subtransaction(subxid)  # type: ignore[arg-type]
-            early.record(msg)
+        if msg is not None and block.xid == self._early_xid and self._pass_early(block, subxid, msg):
             return
         if not subxid:
-            # PostgreSQL rejects xid 0 too (worker.c: handle_streamed_transaction); None means
-            # the caller decoded without in_stream=True.
-            raise ProtocolSequenceError(
-                f"{what} inside the stream block of xid {block.xid} has no valid transaction id "
-                f"({subxid!r}); messages in a stream block must be decoded with in_stream=True")
+            raise self._no_xid(block, subxid, what)
         if type(raw) is not bytes:
             raw = bytes(raw)  # never pin a larger receive buffer through a view
         cost = record_cost(raw)
@@ -251,6 +247,34 @@ class Assembler:
         else:
             block.append(subxid, raw)
             self._memory_bytes += cost
+
+    def _pass_early(self, block: StreamBuffer, subxid: int | None,
+                    msg: Change | Relation | Type | Origin) -> bool:
+        """A decoded record of the transaction applied as it streams: True if taken there (and
+        so not to be buffered); schema messages are buffered as well."""
+        early = self._early
+        assert early is not None
+        if isinstance(msg, (Relation, Type)):
+            early.schema(msg)
+            return False
+        if not subxid:
+            raise self._no_xid(block, subxid, msg.type_name)
+        if subxid != block.xid and subxid not in self._early_subxids:
+            self._early_subxids.add(subxid)
+            early.subtransaction(subxid)
+        if early.change(msg):
+            return True
+        self._early_xid = None
+        self._early_subxids.clear()
+        return False
+
+    @staticmethod
+    def _no_xid(block: StreamBuffer, subxid: int | None, what: str) -> ProtocolSequenceError:
+        # PostgreSQL rejects xid 0 too (worker.c: handle_streamed_transaction); None means the
+        # caller decoded without in_stream=True.
+        return ProtocolSequenceError(
+            f"{what} inside the stream block of xid {block.xid} has no valid transaction id "
+            f"({subxid!r}); messages in a stream block must be decoded with in_stream=True")
 
     def _make_room(self, cost: int) -> None:
         """Spill the largest in-memory buffers until ``cost`` more bytes fit the budget (or
@@ -323,7 +347,7 @@ class Assembler:
         buffer = self._streams.get(xid)
         if buffer is not None:
             if xid == self._early_xid:
-                self._cancel_early()
+                self._abort_early()
             self._drop(buffer)
 
     # -- streamed transactions ---------------------------------------------------------------
@@ -360,10 +384,10 @@ class Assembler:
             return  # the server may abort transactions it never streamed a change of
         if msg.subxid == msg.xid:
             if msg.xid == self._early_xid:
-                self._cancel_early()
+                self._abort_early()
             self._drop(buffer)
         else:
-            if msg.xid == self._early_xid and buffer.has_subxact(msg.subxid):
+            if msg.xid == self._early_xid:
                 assert self._early is not None
                 self._early.abort(msg.subxid)
             self._memory_bytes -= buffer.abort_subxact(msg.subxid)
@@ -378,6 +402,7 @@ class Assembler:
         if msg.xid == self._early_xid:
             assert self._early is not None
             self._early_xid = None
+            self._early_subxids.clear()
             if self._early.finish(start, end):
                 self._drop(buffer)
                 return
@@ -387,7 +412,10 @@ class Assembler:
         buffer = self._streamed_end(msg.xid, f"stream_prepare of xid {msg.xid} at prepare LSN "
                                              f"{msg.prepare_lsn}")
         if msg.xid == self._early_xid:
-            self._cancel_early()  # a prepared transaction is applied by the two-phase divert
+            assert self._early is not None
+            self._early_xid = None  # a prepared transaction is applied by the two-phase divert
+            self._early_subxids.clear()
+            self._early.cancel()
         self._replay(buffer,
                      TransactionStart(msg.xid, msg.prepare_lsn, msg.prepare_time, streamed=True,
                                       gid=msg.gid, end_lsn=msg.end_lsn),
@@ -426,11 +454,12 @@ class Assembler:
         finally:
             self._drop(buffer)
 
-    def _cancel_early(self) -> None:
+    def _abort_early(self) -> None:
         if self._early_xid is not None:
             assert self._early is not None
-            self._early_xid = None
-            self._early.cancel()
+            xid, self._early_xid = self._early_xid, None
+            self._early_subxids.clear()
+            self._early.abort(xid)
 
     def _drop(self, buffer: StreamBuffer) -> None:
         self._memory_bytes -= buffer.memory_bytes

@@ -75,15 +75,6 @@ class StreamBuffer:
     def change_count(self) -> int:
         return self._file_count + len(self._memory)
 
-    def opens_subxact(self, subxid: int) -> bool:
-        """Whether a change of ``subxid`` buffered now would be its subtransaction's first (the
-        top-level xid has none: its abort discards everything)."""
-        return subxid != self.xid and subxid not in self._subxact_index
-
-    def has_subxact(self, subxid: int) -> bool:
-        """Whether ``subxid`` has changes here that an abort of it would cut."""
-        return subxid in self._subxact_index
-
     def append(self, subxid: int, raw: bytes) -> None:
         """Buffer one change in memory; the caller has made room for ``record_cost(raw)``."""
         self._note_subxact(subxid)

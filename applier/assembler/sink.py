@@ -4,8 +4,7 @@ Owns the contract between transaction assembly and apply. Pure declarations: no 
 I/O. The apply stage implements ``TransactionSink``; the assembler calls it strictly in stream
 order, one whole source transaction at a time (begin ... commit/prepare, never interleaved).
 It may also implement ``EarlyApply``, which receives one streamed transaction at a time while it
-streams; the assembler keeps buffering that transaction all the same, so whenever the early
-apply gives up, the transaction is delivered to the sink at its end as any other.
+streams, instead of the assembler buffering it.
 """
 
 from __future__ import annotations
@@ -100,34 +99,39 @@ class TransactionSink(Protocol):
 class EarlyApply(Protocol):
     """Applies a streamed transaction while it streams, uncommitted until its Stream Commit.
 
-    The assembler offers each streamed transaction at its first segment (``open``); between an
-    accepted ``open`` and ``finish`` or ``cancel`` it passes on that transaction's records as they
-    arrive, in order, and its subtransaction starts and aborts. Must never raise for a failure of
-    its own: it gives up instead (the transaction is then replayed from the buffer at its end);
-    an exception means the stage behind it failed (the caller restarts replication)."""
+    The assembler offers each streamed transaction at its first segment (``open``); from an
+    accepted ``open`` to the transaction's end it passes on its records as they arrive, in order,
+    and where each subtransaction begins. Row changes it takes (``changes`` or ``change``
+    returning True) are not buffered: it then holds the only copy, and giving up after that
+    raises (the caller restarts replication, and the source sends the transaction again). Until
+    then it may decline (False): the assembler buffers that transaction from there on, as any
+    other, and passes nothing more of it on."""
 
     def open(self, xid: int) -> bool:
         """The first segment of ``xid`` arrived: will it be applied as it streams?"""
 
-    def changes(self, payloads: list[bytes], start: int, stop: int) -> None:
-        """Row changes (Insert, Update, Delete payloads) of the open transaction, still encoded,
-        ``payloads[start:stop]``."""
+    def changes(self, payloads: list[bytes], start: int, stop: int) -> bool:
+        """Row changes (Insert, Update, Delete payloads), still encoded, ``payloads[start:stop]``."""
 
-    def record(self, msg: Change | Relation | Type | Origin) -> None:
-        """Any other record of the open transaction's stream blocks, decoded."""
+    def change(self, msg: Change | Origin) -> bool:
+        """Any other change of the transaction (or its Origin), decoded."""
+
+    def schema(self, msg: Relation | Type) -> None:
+        """A Relation or Type message of the transaction (buffered as well)."""
 
     def subtransaction(self, subxid: int) -> None:
-        """``subxid``'s first record follows: everything from here on is undone by its abort."""
+        """``subxid``'s first change follows: everything from here on is undone by its abort."""
 
     def pause(self) -> None:
         """Stream Stop: nothing more of the transaction until its next segment."""
 
     def abort(self, subxid: int) -> None:
-        """Stream Abort of a subtransaction that has records (``subtransaction`` was called)."""
+        """Stream Abort: of a subtransaction, or of the whole transaction (``subxid`` its xid)."""
 
     def finish(self, start: TransactionStart, end: TransactionEnd) -> bool:
-        """Stream Commit: commit it with its progress (True), or roll it back (False: the
-        assembler delivers it from the buffer instead)."""
+        """Stream Commit. True: done (committed with its progress, or found applied already).
+        False (only if it took no changes): deliver it from the buffer."""
 
     def cancel(self) -> None:
-        """The transaction is aborted, prepared (Stream Prepare) or dropped: undo everything."""
+        """Stream Prepare: the transaction is delivered from the buffer (raises if it holds
+        changes the buffer has not)."""

@@ -248,6 +248,26 @@ def test_killed_right_after_the_target_prepare(source_db, target_db, mode: str) 
     _nothing_left(target_db)
 
 
+def test_a_streamed_prepare_sent_again_does_not_wait_for_its_own_prepared_locks(source_db,
+                                                                              target_db) -> None:
+    """Prepare mode, killed after the target's PREPARE: the source sends the streamed prepared
+    transaction again, and applied as it streams it would insert keys its own prepared
+    transaction on the target holds. The early session's lock timeout ends that wait; the
+    transaction is then recognised at its Stream Prepare as prepared already."""
+    _setup(source_db, target_db)
+    prepare_on_source(source_db, "keyed", "INSERT INTO t SELECT g, repeat(md5(g::text), 3) "
+                      "FROM generate_series(1, 3000) g")
+    run_worker(source_db, target_db, *_mode("prepare"), fault="after_prepare", expect_rc=-9)
+    assert _held(target_db, "prepare") == 1
+    log = run_worker(source_db, target_db, *_mode("prepare")).stderr
+    assert "lock timeout" in log, log[-3000:]
+    assert _held(target_db, "prepare") == 1
+    source_db.execute("COMMIT PREPARED 'keyed'")
+    run_worker(source_db, target_db, *_mode("prepare"))
+    assert_same_rows(source_db, target_db, "t")
+    _nothing_left(target_db)
+
+
 @pytest.mark.parametrize("mode, fault", [
     ("prepare", "after_commit_prepared"), ("prepare", "after_rollback_prepared"),
     ("prepare", "before_feedback:1"), ("prepare", "before_feedback:2"),

@@ -224,3 +224,29 @@ def test_a_target_lock_the_early_transaction_holds_does_not_hang_the_worker(
     assert target_db.query("SELECT n FROM inserted") == [(3001,)]
     log = (tmp_path / "worker.log").read_text()
     assert "lock timeout" in log, log[-3000:]
+
+
+@pytest.mark.parametrize("trouble", ["conflict", "message"])
+def test_an_early_transaction_that_meets_what_it_does_not_handle_is_applied_at_its_commit(
+        source_db, target_db, tmp_path: Path, trouble: str) -> None:
+    """Past its first changes the early session holds the only copy of them: giving up then
+    restarts replication, the source sends the transaction again, and it is applied at its
+    commit, once: a row the target already has (resolved by the careful path, the source's row
+    winning) or a logical message halfway through."""
+    _prepare(source_db, target_db)
+    if trouble == "conflict":
+        target_db.execute("INSERT INTO t VALUES (5000, 'local', 'x')")
+    with source_db.connect() as conn, conn.transaction():
+        conn.execute(_batch("big", 0, rows=3000))
+        if trouble == "message":
+            conn.execute("SELECT pg_logical_emit_message(true, 'halfway', 'there')")
+        conn.execute(_batch("big", 3000, rows=3000))
+    log = run_worker(source_db, target_db, *(["--messages"] if trouble == "message" else [])).stderr
+    assert_same_rows(source_db, target_db, "t")
+    assert "cannot be applied as it streams" in log and "1 transaction(s): 6000 insert" in log, log[-3000:]
+    if trouble == "conflict":
+        assert target_db.query("SELECT pad FROM t WHERE id = 5000") != [("x",)]
+        assert target_db.query("SELECT count(*) FROM applier.conflicts") == [(1,)]
+    else:
+        assert target_db.query("SELECT prefix, content FROM applier.messages") == [
+            ("halfway", b"there")]

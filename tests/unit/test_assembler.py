@@ -466,24 +466,31 @@ def test_a_buffered_row_change_without_a_transaction_id_is_refused(sink: Recordi
 # -- a streamed transaction applied as it streams (EarlyApply) ------------------------------------
 
 class RecordingEarly:
-    """An EarlyApply that records what it is given; ``finish`` answers ``commits``."""
+    """An EarlyApply that records what it is given. It declines changes once ``take`` is False;
+    ``finish`` answers ``commits``."""
 
-    def __init__(self, accept: bool = True, commits: bool = True) -> None:
-        self.accept, self.commits = accept, commits
+    def __init__(self, accept: bool = True, take: bool = True, commits: bool = True) -> None:
+        self.accept, self.take, self.commits = accept, take, commits
         self.calls: list[tuple] = []
 
     def open(self, xid: int) -> bool:
         self.calls.append(("open", xid))
         return self.accept
 
-    def changes(self, payloads: list[bytes], start: int, stop: int) -> None:
-        self.calls.append(("changes", tuple(decode(raw, in_stream=True).new_tuple.values[0]
-                                            if raw[0] != ord("D") else
-                                            decode(raw, in_stream=True).old_tuple.values[0]
-                                            for raw in payloads[start:stop])))
+    def changes(self, payloads: list[bytes], start: int, stop: int) -> bool:
+        values = []
+        for raw in payloads[start:stop]:
+            msg = decode(raw, in_stream=True)
+            values.append((msg.old_tuple if isinstance(msg, Delete) else msg.new_tuple).values[0])
+        self.calls.append(("changes", tuple(values)) if self.take else ("declined", tuple(values)))
+        return self.take
 
-    def record(self, msg) -> None:  # noqa: ANN001
-        self.calls.append(("record", type(msg).__name__))
+    def change(self, msg) -> bool:  # noqa: ANN001
+        self.calls.append(("change" if self.take else "declined", type(msg).__name__))
+        return self.take
+
+    def schema(self, msg) -> None:  # noqa: ANN001
+        self.calls.append(("schema", type(msg).__name__))
 
     def subtransaction(self, subxid: int) -> None:
         self.calls.append(("subtransaction", subxid))
@@ -504,7 +511,7 @@ class RecordingEarly:
 
 def _early_stream(asm: Assembler) -> None:
     """xid 70: a Relation, changes of the top level and of subxacts 71 and 72 (72 aborted), in
-    two segments; both fed and buffered undecoded, as the worker does."""
+    two segments, row changes buffered undecoded as the worker does, or fed decoded."""
     feed(asm, stream_start(70, first=True), relation(1, "t", xid=70))
     block = [insert(1, b"a", xid=70), insert(1, b"b", xid=70), insert(1, b"c", xid=71),
              update(1, b"d", xid=70), stream_stop()]
@@ -519,25 +526,28 @@ def test_an_early_transaction_gets_its_records_as_they_stream_cut_at_subtransact
     early = RecordingEarly()
     asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
     _early_stream(asm)
+    assert asm.memory_bytes < 200 and asm.spilled_bytes == 0  # the changes are not buffered
     feed(asm, stream_commit(70, 0xE00, 0xE10))
     assert early.calls == [
-        ("open", 70), ("record", "Relation"), ("changes", (b"a", b"b")), ("subtransaction", 71),
-        ("changes", (b"c", b"d")), ("pause",), ("subtransaction", 72), ("record", "Insert"),
-        ("record", "Delete"), ("pause",), ("abort", 72), ("finish", 70, LSN(0xE00))]
-    # Committed early: nothing is delivered again, and the buffer is gone.
+        ("open", 70), ("schema", "Relation"), ("changes", (b"a", b"b")), ("subtransaction", 71),
+        ("changes", (b"c", b"d")), ("pause",), ("subtransaction", 72), ("change", "Insert"),
+        ("change", "Delete"), ("pause",), ("abort", 72), ("abort", 73),
+        ("finish", 70, LSN(0xE00))]
+    # Done early: nothing is delivered again, and nothing is left.
     assert sink.calls == [] and asm.idle and spill_files(spill_dir) == []
 
 
-def test_an_early_transaction_it_gives_up_on_is_replayed_whole(sink: RecordingSink,
-                                                               spill_dir: Path) -> None:
-    early, fed = RecordingEarly(commits=False), RecordingSink()
+def test_a_declined_early_transaction_is_buffered_from_there_and_delivered_at_its_commit(
+        sink: RecordingSink, spill_dir: Path) -> None:
+    early, fed = RecordingEarly(take=False), RecordingSink()
     asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
     reference = make(fed, spill_dir / "reference")
     _early_stream(asm)
     _early_stream(reference)
     for each in (asm, reference):
         feed(each, stream_commit(70, 0xE00, 0xE10))
-    assert early.calls[-1] == ("finish", 70, LSN(0xE00))
+    # Declined at its first changes: passed nothing more, buffered and replayed as usual.
+    assert early.calls == [("open", 70), ("schema", "Relation"), ("declined", (b"a", b"b"))]
     # The abort of 72 cuts everything from its first change on (the delete of f too).
     assert sink.calls == fed.calls and sink.values() == [b"a", b"b", b"c", b"d"]
 
@@ -550,26 +560,36 @@ def test_only_one_transaction_at_a_time_is_applied_early(sink: RecordingSink, sp
          stream_commit(81, 0xF00, 0xF10))
     assert ("open", 81) not in early.calls and sink.values() == [b"x"]
     feed(asm, stream_abort(80, 80))
-    assert early.calls == [("open", 80), ("record", "Relation"), ("pause",), ("cancel",)]
+    assert early.calls == [("open", 80), ("schema", "Relation"), ("pause",), ("abort", 80)]
     # Refused: buffered only, and delivered at its commit.
     refusing = RecordingEarly(accept=False)
     other = Assembler(RecordingSink(), memory_budget=BUDGET, spill_dir=spill_dir / "o", early=refusing)
     feed(other, stream_start(82, first=True), insert(1, b"y", xid=82), stream_stop())
-    assert refusing.calls == [("open", 82)]
+    assert refusing.calls == [("open", 82)] and other.memory_bytes > 0
 
 
 @pytest.mark.parametrize("end", ["prepare", "close", "restreamed"])
-def test_an_early_transaction_is_cancelled_when_it_does_not_simply_commit(
+def test_an_early_transaction_ends_early_when_it_does_not_simply_commit(
         sink: RecordingSink, spill_dir: Path, end: str) -> None:
     early = RecordingEarly()
     asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
-    feed(asm, stream_start(90, first=True), insert(1, b"z", xid=90), stream_stop())
+    feed(asm, stream_start(90, first=True), relation(1, "t", xid=90), stream_stop())
     if end == "prepare":
         feed(asm, stream_prepare(90, 0x100, 0x110, "g"))
-        assert [name for name, _ in sink.calls] == ["begin", "change", "prepare"]
+        assert early.calls[-1] == ("cancel",)  # delivered from the buffer (the Relation)
+        assert [name for name, _ in sink.calls] == ["begin", "relation", "prepare"]
     elif end == "close":
         asm.close()
+        assert early.calls[-1] == ("abort", 90)
     else:
         feed(asm, commit_prepared(90, 0x200, 0x210, "g"))
-    assert early.calls[-1] == ("cancel",) and early.calls.count(("cancel",)) == 1
-    assert not any(call[0] == "finish" for call in early.calls)
+        assert early.calls[-1] == ("abort", 90)
+    assert not any(call[0] == "finish" for call in early.calls) and asm.idle
+
+
+def test_an_early_transaction_without_a_valid_subxid_is_refused(sink: RecordingSink,
+                                                                spill_dir: Path) -> None:
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=RecordingEarly())
+    feed(asm, stream_start(93, first=True))
+    with pytest.raises(ProtocolSequenceError, match="no valid transaction id"):
+        asm.buffer_changes([insert(1, b"a", xid=93), insert(1, b"b", xid=0)], 0)

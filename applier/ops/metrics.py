@@ -285,6 +285,9 @@ class _WorkerCollector(Collector):
         applied = snap["applied"]
         yield counter("applier_transactions_applied", "Source transactions committed on the target.",
                       applied["transactions"])
+        yield counter("applier_streamed_applied_early", "Streamed transactions applied as they "
+                      "streamed, in the second target session (--streamed-apply early).",
+                      applied["streamed_early"])
         rows = CounterMetricFamily("applier_rows_applied", "Row changes applied, by type "
                                    "(truncate counts statements).", labels=["slot", "type"])
         for kind in ROW_KINDS:

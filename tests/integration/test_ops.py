@@ -115,6 +115,15 @@ def test_metrics_health_and_status(source_db, target_db, tmp_path: Path) -> None
         assert report["retained_wal_bytes"] >= 0
         assert report["spill_bytes"] == 0 and report["spill_dir"] == str(spill)
         assert report["prepared_transactions"] == [] and report["table_sync"] == []
+
+        # A transaction the source streams (over its 64kB logical_decoding_work_mem) is applied
+        # as it streams, and counted as such.
+        assert sample(text, "applier_streamed_applied_early_total") == 0
+        source_db.execute("INSERT INTO t SELECT g, repeat(md5(g::text), 3) "
+                          "FROM generate_series(3000, 5999) g")
+        wait_for(lambda: sample(http_get(f"{base}/metrics")[1],
+                                "applier_streamed_applied_early_total") == 1,
+                 what="the streamed transaction applied early in the metrics")
     finally:
         assert stop_worker(worker) == 0, log.read_text()[-3000:]
 

@@ -202,8 +202,8 @@ class StreamingApply:
             # Sent again after a restart, though committed before it: discarded whole.
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
                      end.xid, end.commit_lsn, main.applied.commit_lsn)
-            self._give_up("it was applied already", quietly=True)
             self._learn_relations()
+            self._give_up("it was applied already", quietly=True)
             return True
         if end.commit_lsn <= main.careful_until or main.extensions.skips.lsn is not None:
             self._give_up("its stretch is redone row by row, or skipped")

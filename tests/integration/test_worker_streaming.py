@@ -250,3 +250,17 @@ def test_an_early_transaction_that_meets_what_it_does_not_handle_is_applied_at_i
     else:
         assert target_db.query("SELECT prefix, content FROM applier.messages") == [
             ("halfway", b"there")]
+
+
+def test_killed_right_after_an_early_commit_resumes_exactly_once(source_db, target_db) -> None:
+    """Killed after the early session committed, before the source was told: the restart
+    resumes after that transaction (its progress row committed with it), nothing twice."""
+    _prepare(source_db, target_db)
+    source_db.execute(_batch("big", 0, rows=3000))
+    run_worker(source_db, target_db, fault="before_feedback", expect_rc=-9)
+    assert target_db.query("SELECT count(*) FROM t") == [(3000,)]
+    source_db.execute("INSERT INTO t VALUES (-1, 'after', '')")
+    source_db.execute(_batch("big", 10_000, rows=3000))
+    log = run_worker(source_db, target_db).stderr
+    assert "2 transaction(s): 3001 insert" in log, log[-3000:]
+    assert_same_rows(source_db, target_db, "t")

@@ -83,13 +83,15 @@ Beyond rows (``apply/`` modules, one each)
 
 Failures
 --------
-A lost connection on either side ends the current session: the open target transaction (if any)
-is rolled back, buffered streamed transactions are dropped, and after a backoff (tenacity) a new
-session starts from the recorded position. Errors that waiting cannot fix (slot or publication
-missing, authentication, a missing target table or column, malformed protocol bytes) stop the
-worker with a message that names the object, the source LSN and xid where known, and what to do
-(including the ``applier skip`` command that skips that one transaction); nothing of the failing
-transaction or any later one is applied, and the next start resumes there.
+A lost connection on either side ends the current session: the open target transactions (if
+any, in either target session) are rolled back, buffered streamed transactions are dropped, and
+after a backoff (tenacity) a new session starts from the recorded position. So does a lock wait
+past its lock_timeout while a transaction is applied as it streams. Errors that waiting cannot
+fix (slot or publication missing, authentication, a missing target table or column, malformed
+protocol bytes) stop the worker with a message that names the object, the source LSN and xid
+where known, and what to do (including the ``applier skip`` command that skips that one
+transaction); nothing of the failing transaction or any later one is applied, and the next
+start resumes there.
 
 Stopping
 --------

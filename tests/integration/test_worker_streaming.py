@@ -28,7 +28,11 @@ def _prepare(source_db, target_db) -> None:
     create_slot(source_db)
 
 
-def test_nested_savepoints_rolled_back_at_several_levels(source_db, target_db) -> None:
+@pytest.mark.parametrize("streamed_apply", ["early", "commit"])
+def test_nested_savepoints_rolled_back_at_several_levels(source_db, target_db,
+                                                         streamed_apply: str) -> None:
+    """Applied as it streams (savepoints on the target) or buffered and replayed at its commit
+    (the buffer cut back): the same rows."""
     _prepare(source_db, target_db)
     with source_db.connect() as conn, conn.transaction():
         conn.execute(_batch("A", 0))
@@ -48,7 +52,8 @@ def test_nested_savepoints_rolled_back_at_several_levels(source_db, target_db) -
         conn.execute("ROLLBACK TO SAVEPOINT s5")      # drops G only
         conn.execute(_batch("H", 70_000))
         conn.execute("RELEASE SAVEPOINT s4")
-    run_worker(source_db, target_db)
+    log = run_worker(source_db, target_db, "--streamed-apply", streamed_apply).stderr
+    assert ("applied as they streamed" in log) == (streamed_apply == "early"), log[-3000:]
     assert_same_rows(source_db, target_db, "t")
     batches = target_db.query("SELECT batch, count(*) FROM t GROUP BY batch ORDER BY batch")
     assert batches == [("A", 1500), ("E", 1500), ("F", 1500), ("H", 1500)]

@@ -127,7 +127,8 @@ class Assembler:
         """Inside a stream block, buffer the row changes (Insert, Update, Delete payloads) from
         ``start`` on as ``feed`` would, without decoding them: a buffered change needs only its
         xid, and its replay decodes it (a malformed one fails there, before anything of its
-        transaction commits). Returns the index of the first payload that is not one."""
+        transaction commits). Those of the transaction applied as it streams go there instead.
+        Returns the index of the first payload that is not one."""
         block = self._block
         if block is None:
             return start

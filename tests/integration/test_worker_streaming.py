@@ -137,6 +137,12 @@ def _early_session(target_db) -> list[tuple]:
                            "WHERE application_name = 'applier s (streamed)'")
 
 
+def _wait_for_the_early_session(target_db) -> None:
+    """Until the early session holds the open streamed transaction (written, uncommitted)."""
+    wait_for(lambda: _early_session(target_db) == [("idle in transaction", True)], timeout=60,
+             what="the early session holding the open streamed transaction")
+
+
 def test_streamed_transaction_is_applied_as_it_streams_and_visible_only_at_commit(
         source_db, target_db, tmp_path: Path) -> None:
     _prepare(source_db, target_db)
@@ -147,8 +153,7 @@ def test_streamed_transaction_is_applied_as_it_streams_and_visible_only_at_commi
             conn.execute(_batch("big", 0, rows=6000))
             # The early session writes while the source transaction is still open; the main
             # session and any reader see nothing of it.
-            wait_for(lambda: _early_session(target_db) == [("idle in transaction", True)],
-                     timeout=60, what="the early session holding the open streamed transaction")
+            _wait_for_the_early_session(target_db)
             assert target_db.query("SELECT count(*) FROM t") == [(0,)]
             conn.execute(_batch("big", 10_000, rows=3000))
             conn.execute("COMMIT")
@@ -215,8 +220,7 @@ def test_a_target_lock_the_early_transaction_holds_does_not_hang_the_worker(
         with source_db.connect() as big:
             big.execute("BEGIN")
             big.execute(_batch("big", 0, rows=3000))
-            wait_for(lambda: _early_session(target_db) == [("idle in transaction", True)],
-                     timeout=60, what="the early session holding the open streamed transaction")
+            _wait_for_the_early_session(target_db)
             source_db.execute("INSERT INTO t VALUES (-1, 'small', '')")
             wait_for(lambda: target_db.query("SELECT count(*) FROM t WHERE id = -1") == [(1,)],
                      timeout=90, what="the plain transaction past the lock")

@@ -5,10 +5,14 @@
  *
  * A run belongs to one table, which the apply stage opened it for (the batch's open runs, a dict
  * by relation id, shared with the lane):
- * - Run: inserts, as COPY text lines;
+ * - Run: inserts, as COPY text lines or, for values the source sent in binary (the stream's
+ *   binary option), as COPY binary tuples: a binary value is already in the type's send format,
+ *   which is what COPY binary carries, so it is copied as it is behind its length;
  * - KeyRun: changes by key, folded by key: updates that carry every column and keep their key
  *   (a later update of a row replaces the earlier one: both set every column), or deletes by key
  *   (only the key is kept).
+ * A run holds values of one format (text or binary, NULLs aside); a row in the other format is
+ * the ordinary path's.
  *
  * The lane takes what it is sure of and stops at the first payload it is not, saying why
  * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
@@ -26,22 +30,24 @@
 
 #include "../protocol/_wire.h"
 
-/* ---- Run: inserts as COPY text ---------------------------------------------------------- */
+/* ---- Run: inserts as COPY text or binary --------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
-    PyObject *data;          /* bytearray: COPY text lines */
+    PyObject *data;          /* bytearray: COPY text lines, or binary tuples (no header, no trailer) */
     Py_ssize_t columns;      /* values per row */
-    Py_ssize_t rows;         /* lines in data */
+    Py_ssize_t rows;         /* rows in data */
+    int binary;              /* values in binary: data holds COPY binary tuples */
 } RunObject;
 
 static PyObject *
 run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     Py_ssize_t columns;
+    int binary = 0;
     RunObject *self;
-    static char *keywords[] = {"columns", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n", keywords, &columns))
+    static char *keywords[] = {"columns", "binary", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p", keywords, &columns, &binary))
         return NULL;
     if (columns < 1) {
         PyErr_SetString(PyExc_ValueError, "Run(columns): at least one column");
@@ -56,6 +62,7 @@ run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     self->columns = columns;
+    self->binary = binary;
     return (PyObject *)self;
 }
 
@@ -67,9 +74,11 @@ run_dealloc(RunObject *self)
 }
 
 static PyMemberDef run_members[] = {
-    {"data", T_OBJECT_EX, offsetof(RunObject, data), READONLY, "the rows as COPY text (bytearray)"},
+    {"data", T_OBJECT_EX, offsetof(RunObject, data), READONLY,
+     "the rows as COPY text lines or COPY binary tuples (bytearray)"},
     {"columns", T_PYSSIZET, offsetof(RunObject, columns), READONLY, "values per row"},
     {"rows", T_PYSSIZET, offsetof(RunObject, rows), 0, "rows in data"},
+    {"binary", T_INT, offsetof(RunObject, binary), READONLY, "values in binary (COPY binary tuples)"},
     {NULL},
 };
 
@@ -78,7 +87,8 @@ static PyTypeObject RunType = {
     .tp_name = "applier.apply._lane.Run",
     .tp_basicsize = sizeof(RunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Run(columns)\n--\n\nInserts into one table, as COPY text lines.",
+    .tp_doc = "Run(columns, binary=False)\n--\n\nInserts into one table, as COPY text lines or "
+              "(binary) COPY binary tuples.",
     .tp_new = run_new,
     .tp_dealloc = (destructor)run_dealloc,
     .tp_members = run_members,
@@ -93,6 +103,7 @@ typedef struct {
     Py_ssize_t *key_at;      /* the same, for C */
     Py_ssize_t nkeys;
     int whole_rows;          /* updates: rows hold every column; deletes: only the key */
+    int binary;              /* values in binary (statement parameters in binary format) */
     PyObject *rows;          /* list of tuples (bytes or None), one per key, in first-seen order */
     PyObject *index;         /* dict: key values (tuple) -> position in rows */
     Py_ssize_t changes;      /* updates recorded, folded ones included */
@@ -103,11 +114,11 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     Py_ssize_t columns, i;
     PyObject *keys;
-    int whole_rows;
+    int whole_rows, binary = 0;
     KeyRunObject *self;
-    static char *keywords[] = {"columns", "keys", "whole_rows", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!p", keywords, &columns, &PyTuple_Type, &keys,
-                                     &whole_rows))
+    static char *keywords[] = {"columns", "keys", "whole_rows", "binary", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!p|p", keywords, &columns, &PyTuple_Type, &keys,
+                                     &whole_rows, &binary))
         return NULL;
     if (columns < 1 || PyTuple_GET_SIZE(keys) < 1) {
         PyErr_SetString(PyExc_ValueError, "KeyRun(): at least one column and one key");
@@ -118,6 +129,7 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         return NULL;
     self->columns = columns;
     self->whole_rows = whole_rows;
+    self->binary = binary;
     self->keys = Py_NewRef(keys);
     self->nkeys = PyTuple_GET_SIZE(keys);
     self->key_at = PyMem_New(Py_ssize_t, self->nkeys);
@@ -259,6 +271,7 @@ static PyMemberDef key_run_members[] = {
     {"keys", T_OBJECT_EX, offsetof(KeyRunObject, keys), READONLY, "key column positions"},
     {"whole_rows", T_INT, offsetof(KeyRunObject, whole_rows), READONLY,
      "updates (every column) rather than deletes (the key)"},
+    {"binary", T_INT, offsetof(KeyRunObject, binary), READONLY, "values in binary"},
     {"changes", T_PYSSIZET, offsetof(KeyRunObject, changes), READONLY,
      "changes recorded, folded ones included"},
     {NULL},
@@ -282,8 +295,9 @@ static PyTypeObject KeyRunType = {
     .tp_name = "applier.apply._lane.KeyRun",
     .tp_basicsize = sizeof(KeyRunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "KeyRun(columns, keys, whole_rows)\n--\n\nUpdates of every column (whole_rows) or "
-              "deletes of one table by key, folded by key; len() is the rows they change.",
+    .tp_doc = "KeyRun(columns, keys, whole_rows, binary=False)\n--\n\nUpdates of every column "
+              "(whole_rows) or deletes of one table by key, folded by key, values in text or "
+              "(binary) binary; len() is the rows they change.",
     .tp_new = key_run_new,
     .tp_dealloc = (destructor)key_run_dealloc,
     .tp_members = key_run_members,
@@ -313,6 +327,7 @@ typedef struct {
     Py_ssize_t inserts, updates, deletes, bytes, transactions;
     unsigned int relation;       /* LANE_NO_RUN: the relation that has no run of that kind */
     int kind;                    /* LANE_NO_RUN: 'I', 'U' or 'D' */
+    int binary;                  /* LANE_NO_RUN: the change's values are in binary */
     unsigned int xid;            /* xid of the last transaction committed */
     PyObject *commit;            /* the last Commit payload taken, or None */
     PyObject *begin;             /* the Begin payload of a transaction left open, or None */
@@ -369,23 +384,35 @@ find_run(LaneObject *self, unsigned int relation, PyTypeObject *type)
     return found;
 }
 
-/* The tuple at p (after 'N'): every value in text or NULL, exactly natts of them, nothing after.
- * Returns the end position, or -1; *value_bytes gets the bytes of the values and, when size is
- * not NULL, *size their COPY text size (tabs and newline included). */
+/* Whether the tuple at p (after 'N') has its values in binary: its first value that is not NULL
+ * is; the tuple is checked in full (check_tuple) before anything is taken from it. */
+static int
+tuple_is_binary(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos)
+{
+    for (; pos < len && p[pos] == 'n'; pos++)
+        ;
+    return pos < len && p[pos] == 'b';
+}
+
+/* The tuple at p (after 'N'): every value in the given format ('t' text or 'b' binary) or NULL,
+ * exactly natts of them, nothing after. Returns the end position, or -1; *value_bytes gets the
+ * bytes of the values and, when size is not NULL, *size their size in COPY data (text: escaped,
+ * tabs and newline included; binary: the field count and each value's length word). */
 static Py_ssize_t
-check_tuple(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t natts,
+check_tuple(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t natts, char format,
             Py_ssize_t *value_bytes, Py_ssize_t *size)
 {
-    Py_ssize_t c, copy = natts;
+    Py_ssize_t c, copy = format == 'b' ? 2 + 4 * natts : natts;
     *value_bytes = 0;
     for (c = 0; c < natts; c++) {
         if (pos >= len)
             return -1;
         if (p[pos] == 'n') {
             pos++;
-            copy += 2;
+            if (format == 't')
+                copy += 2;
         }
-        else if (p[pos] == 't') {
+        else if (p[pos] == format) {
             Py_ssize_t n;
             if (pos + 5 > len)
                 return -1;
@@ -394,12 +421,12 @@ check_tuple(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t n
             if (n > len - pos)
                 return -1;
             if (size != NULL)
-                copy += escaped_size((const char *)p + pos, n);
+                copy += format == 't' ? escaped_size((const char *)p + pos, n) : n;
             *value_bytes += n;
             pos += n;
         }
         else {
-            return -1;  /* binary ('b') or unchanged TOAST ('u'): the ordinary path's */
+            return -1;  /* the other format, or unchanged TOAST ('u'): the ordinary path's */
         }
     }
     if (pos != len)
@@ -409,7 +436,18 @@ check_tuple(const unsigned char *p, Py_ssize_t len, Py_ssize_t pos, Py_ssize_t n
     return pos;
 }
 
-/* An Insert ('I', [xid], relation id, 'N', tuple) as a COPY line of its table's Run. */
+static char *
+put_be32(char *out, uint32_t v)
+{
+    *out++ = (char)(v >> 24);
+    *out++ = (char)(v >> 16);
+    *out++ = (char)(v >> 8);
+    *out++ = (char)v;
+    return out;
+}
+
+/* An Insert ('I', [xid], relation id, 'N', tuple) as a COPY text line or binary tuple of its
+ * table's Run. */
 static int
 lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
 {
@@ -420,16 +458,39 @@ lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
     if (len < 8 || p[5] != 'N')
         return REFUSED;
     run = (RunObject *)find_run(self, be32(p + 1), &RunType);
-    if (run == NULL)
+    if (run == NULL) {
+        self->binary = tuple_is_binary(p, len, 8);
         return PyErr_Occurred() ? FAILED : NO_RUN;
+    }
     natts = be16(p + 6);
-    if (natts != run->columns || check_tuple(p, len, 8, natts, &value_bytes, &size) < 0)
+    if (natts != run->columns
+        || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes, &size) < 0)
         return REFUSED;
     old = PyByteArray_GET_SIZE(run->data);
     if (PyByteArray_Resize(run->data, old + size) < 0)
         return FAILED;
     out = PyByteArray_AS_STRING(run->data) + old;
     pos = 8;
+    if (run->binary) {  /* field count, then each value as its length and bytes; NULL: -1 */
+        *out++ = (char)(natts >> 8);
+        *out++ = (char)natts;
+        for (c = 0; c < natts; c++) {
+            if (p[pos] == 'n') {
+                pos++;
+                out = put_be32(out, 0xFFFFFFFFu);
+            }
+            else {  /* the length word as received, then the value */
+                Py_ssize_t n = be32(p + pos + 1);
+                memcpy(out, p + pos + 1, 4 + n);
+                out += 4 + n;
+                pos += 5 + n;
+            }
+        }
+        run->rows++;
+        self->inserts++;
+        self->bytes += value_bytes;
+        return TAKEN;
+    }
     for (c = 0; c < natts; c++) {
         if (p[pos] == 'n') {
             pos++;
@@ -466,14 +527,18 @@ lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
     if (len < 8 || p[5] != (update ? 'N' : 'K'))
         return REFUSED;
     run = (KeyRunObject *)find_run(self, be32(p + 1), &KeyRunType);
-    if (run == NULL)
+    if (run == NULL) {
+        self->binary = tuple_is_binary(p, len, 8);
         return PyErr_Occurred() ? FAILED : NO_RUN;
+    }
     if (run->whole_rows != update) {  /* that table's open run is of the other kind */
         self->relation = be32(p + 1);
+        self->binary = tuple_is_binary(p, len, 8);
         return NO_RUN;
     }
     natts = be16(p + 6);
-    if (natts != run->columns || check_tuple(p, len, 8, natts, &value_bytes, NULL) < 0)
+    if (natts != run->columns
+        || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes, NULL) < 0)
         return REFUSED;
     row = PyTuple_New(natts);
     if (row == NULL)
@@ -633,6 +698,8 @@ static PyMemberDef lane_members[] = {
      "transactions committed by the last take()"},
     {"relation", T_UINT, offsetof(LaneObject, relation), READONLY, "the relation without a run"},
     {"kind", T_INT, offsetof(LaneObject, kind), READONLY, "the change it has no run for: 'I', 'U' or 'D'"},
+    {"binary", T_INT, offsetof(LaneObject, binary), READONLY,
+     "whether the change it has no run for has its values in binary"},
     {"xid", T_UINT, offsetof(LaneObject, xid), READONLY, "xid of the last transaction committed"},
     {"commit", T_OBJECT, offsetof(LaneObject, commit), READONLY, "the last Commit payload taken"},
     {"begin", T_OBJECT, offsetof(LaneObject, begin), READONLY,

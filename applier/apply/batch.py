@@ -7,11 +7,11 @@ Owns turning a sequence of row changes into few statements with a known outcome:
 - an insert followed by updates of the same row becomes one insert of the final row;
 - the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
-  text format, else multi-row INSERTs; runs of deletes by key one
+  one format (text, or binary: COPY binary), else multi-row INSERTs; runs of deletes by key one
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
-  straight from the received payloads): inserts as COPY text (``Run``), or updates of every
-  column or deletes, by key and folded by key (``KeyRun``). It is sent where it began, as one
+  straight from the received payloads): inserts as COPY text or binary (``Run``), or updates of
+  every column or deletes, by key and folded by key (``KeyRun``), each run in one value format. It is sent where it began, as one
   COPY or as multi-row UPDATEs or DELETEs, so a change that must follow its rows (another kind
   of change of that table, a barrier) closes it first;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Protocol
 
-from ..protocol.messages import KIND_BINARY, KIND_UNCHANGED, TupleData
-from .copy import copy_sql, copy_text
+from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
+from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
 from .relations import RelationMapping, quote_ident
 from .statements import NEW, OLD, delete_sql, update_sql
 
@@ -68,7 +68,7 @@ class BatchStatement:
     values: list[bytes | None]
     formats: list[int]
     expected_rows: int | None
-    copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its rows in text format
+    copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its data (text or binary)
 
 
 _ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
@@ -83,6 +83,11 @@ def _every_column(width: int) -> tuple[int, ...]:
     return every
 
 
+def _in_format(kinds: bytes, binary: bool) -> bool:
+    """Every value of a row is in the given format (binary, else text) or NULL, none unchanged."""
+    return KIND_UNCHANGED not in kinds and (KIND_TEXT if binary else KIND_BINARY) not in kinds
+
+
 def _present(row: TupleData) -> tuple[int, ...]:
     kinds = row.kinds
     if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
@@ -91,20 +96,23 @@ def _present(row: TupleData) -> tuple[int, ...]:
 
 
 class Run(Protocol):
-    """Inserts into one table as COPY text lines, each with every column (``_lane.Run``)."""
+    """Inserts into one table as COPY text lines or (``binary``) COPY binary tuples, each with every
+    column (``_lane.Run``)."""
 
     data: bytearray
     columns: int
     rows: int
+    binary: bool
 
 
 class KeyRun(Protocol):
     """Updates of every column (``whole_rows``) or deletes of one table by its key, folded by key
-    (``_lane.KeyRun``); ``len()`` is the rows they change."""
+    (``_lane.KeyRun``), values in text or (``binary``) binary; ``len()`` is the rows they change."""
 
     columns: int
     keys: tuple[int, ...]
     whole_rows: bool
+    binary: bool
     changes: int
 
     def __len__(self) -> int: ...
@@ -190,11 +198,13 @@ class Batch:
         self._count(new)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
-            if op is not None and op.kind == _COPY and KIND_BINARY not in new.kinds:
+            if op is not None and op.kind == _COPY:
                 run: Run = op.run  # type: ignore[assignment]
-                run.data.extend(copy_text([new.values]))  # type: ignore[list-item]
-                run.rows += 1
-                return
+                if _in_format(new.kinds, run.binary):
+                    encode = copy_binary if run.binary else copy_text
+                    run.data.extend(encode([new.values]))  # type: ignore[list-item]
+                    run.rows += 1
+                    return
             self._close_runs(mapping)
         present = _present(new)
         op = _Op(_INSERT, mapping, new, None, (_INSERT, mapping.relation.relation_id, present, True, True))
@@ -207,7 +217,7 @@ class Batch:
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
             if (op is not None and op.kind == _UPDATES and old is None
-                    and KIND_UNCHANGED not in new.kinds and KIND_BINARY not in new.kinds):
+                    and _in_format(new.kinds, op.run.binary)):  # type: ignore[union-attr]
                 op.run.add(new.values)  # type: ignore[union-attr, arg-type]
                 return
             self._close_runs(mapping)
@@ -250,7 +260,8 @@ class Batch:
         self._count(old)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
-            if op is not None and op.kind == _DELETES and KIND_BINARY not in old.kinds:
+            if (op is not None and op.kind == _DELETES
+                    and _in_format(old.kinds, op.run.binary)):  # type: ignore[union-attr]
                 op.run.add(old.values)  # type: ignore[union-attr, arg-type]
                 return
             self._close_runs(mapping)
@@ -329,7 +340,9 @@ class Batch:
             copy_run: Run = first.run  # type: ignore[assignment]
             assert first.mapping is not None
             if copy_run.rows:
-                yield BatchStatement(None, _copy_sql(first.mapping), [], [], copy_run.rows, copy_run.data)
+                data = copy_binary_data(copy_run.data) if copy_run.binary else copy_run.data
+                yield BatchStatement(None, _copy_sql(first.mapping, copy_run.binary), [], [],
+                                     copy_run.rows, data)
             return
         if first.kind == _UPDATES or first.kind == _DELETES:
             yield from self._by_key(first)
@@ -359,24 +372,28 @@ class Batch:
         for position, size in _chunks(len(run), per_row):
             values = run.params(position, position + size)
             sql = (self._update_text if op.kind == _UPDATES else self._delete_text)(mapping, shape, size)
-            yield BatchStatement((shape, size), sql, values, [0] * len(values), size)
+            yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
 
     @staticmethod
     def _copy(run: list[_Op]) -> BatchStatement | None:
-        """The run as one COPY, when every row has every column and all of them in text."""
+        """The run as one COPY, when every row has every column and all of them in one format
+        (text, or binary for COPY binary)."""
         mapping = run[0].mapping
         assert mapping is not None
         if len(run[0].shape[2]) != len(mapping.target_columns):
             return None
+        first = run[0].row
+        assert first is not None
+        binary = KIND_BINARY in first.kinds
         rows = []
         for op in run:
             row = op.row
             assert row is not None
-            if KIND_BINARY in row.kinds:
+            if not _in_format(row.kinds, binary):
                 return None
             rows.append(row.values)
-        return BatchStatement(None, _copy_sql(mapping), [], [], len(rows),
-                              copy_text(rows))  # type: ignore[arg-type]
+        data = copy_binary_data(copy_binary(rows)) if binary else copy_text(rows)  # type: ignore[arg-type]
+        return BatchStatement(None, _copy_sql(mapping, binary), [], [], len(rows), data)
 
     @staticmethod
     def _params_per_row(op: _Op) -> int:
@@ -448,9 +465,10 @@ def _chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
         position += size
 
 
-def _copy_sql(mapping: RelationMapping) -> str:
+def _copy_sql(mapping: RelationMapping, binary: bool) -> str:
     """COPY of every mapped column, in the source's column order (rows carry all of them)."""
-    return copy_sql(mapping.table.sql_name, [quote_ident(column.name) for column in mapping.target_columns])
+    return copy_sql(mapping.table.sql_name, [quote_ident(column.name) for column in mapping.target_columns],
+                    binary)
 
 
 def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],

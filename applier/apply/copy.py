@@ -1,11 +1,16 @@
-"""COPY text format for runs of inserts: pgoutput text values in, ``COPY ... FROM STDIN`` data out.
+"""COPY data for runs of inserts: pgoutput values in, ``COPY ... FROM STDIN`` data out.
 
 The fast path sends a long run of inserts into one table as one COPY rather than multi-row
 INSERTs: the target parses and plans no statement per thousand rows and converts each value with
 the column type's input function, exactly as the INSERT's cast of a text parameter does. The
 values are the bytes received; only COPY's own escapes are added (backslash, tab, newline,
-carriage return; ``\\N`` for NULL). Binary values (``--binary``) cannot be written in text format:
-such rows stay on multi-row INSERTs.
+carriage return; ``\\N`` for NULL).
+
+Values the source sent in binary (the stream's binary option) are already in their type's send
+format, which is what COPY's binary format carries: a binary tuple is the field count, then each
+value's length and bytes (-1 for NULL), and the data has a fixed header and trailer around the
+tuples (``copy_binary_data``). A row mixing text and binary values fits neither format and stays
+on multi-row INSERTs.
 
 ``copy_text`` runs in C when the accelerator is built (``_speedups.copy_text``);
 ``copy_text_pure`` is the reference, and ``APPLIER_PURE_PYTHON=1`` selects it as it does for the
@@ -17,7 +22,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 
-__all__ = ["copy_text", "copy_text_pure", "copy_sql"]
+__all__ = ["copy_text", "copy_text_pure", "copy_binary", "copy_binary_data", "copy_sql"]
 
 Row = tuple[bytes | None, ...]
 
@@ -36,6 +41,32 @@ def copy_text_pure(rows: list[Row]) -> bytes:
     return b"".join(b"\t".join(map(_field, row)) + b"\n" for row in rows)
 
 
+_NULL_FIELD = b"\xff\xff\xff\xff"
+#: COPY binary's signature, flags (no OIDs) and header extension length (none); the trailer is a
+#: field count of -1.
+_BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)
+_BINARY_TRAILER = b"\xff\xff"
+
+
+def copy_binary(rows: list[Row]) -> bytes:
+    """``rows`` (tuples of binary values or None) as COPY binary tuples, without header or trailer."""
+    out = bytearray()
+    for row in rows:
+        out += len(row).to_bytes(2, "big")
+        for value in row:
+            if value is None:
+                out += _NULL_FIELD
+            else:
+                out += len(value).to_bytes(4, "big")
+                out += value
+    return bytes(out)
+
+
+def copy_binary_data(tuples: bytes | bytearray) -> bytes:
+    """COPY binary tuples (``copy_binary``, or a binary run's) as the whole COPY data."""
+    return b"".join((_BINARY_HEADER, tuples, _BINARY_TRAILER))
+
+
 def _accelerated() -> Callable[[list[Row]], bytes] | None:
     if os.environ.get("APPLIER_PURE_PYTHON") == "1":
         return None
@@ -49,5 +80,6 @@ def _accelerated() -> Callable[[list[Row]], bytes] | None:
 copy_text: Callable[[list[Row]], bytes] = _accelerated() or copy_text_pure
 
 
-def copy_sql(table_sql_name: str, quoted_columns: Sequence[str]) -> str:
-    return f"COPY {table_sql_name} ({', '.join(quoted_columns)}) FROM STDIN"
+def copy_sql(table_sql_name: str, quoted_columns: Sequence[str], binary: bool = False) -> str:
+    return (f"COPY {table_sql_name} ({', '.join(quoted_columns)}) FROM STDIN"
+            + (" (FORMAT binary)" if binary else ""))

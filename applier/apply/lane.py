@@ -1,13 +1,14 @@
 """The lane: plain transactions of row changes, from the received payloads straight into the batch.
 
 Owns deciding when the C lane (``_lane.Lane``) may take payloads and handing what it took to the
-sink: the changes it wrote into the batch's open runs (``batch.Run``: inserts as COPY text;
-``batch.KeyRun``: updates of every column or deletes, by key and folded by key), the
+sink: the changes it wrote into the batch's open runs (``batch.Run``: inserts as COPY text, or
+COPY binary when the source sent binary values; ``batch.KeyRun``: updates of every column or
+deletes, by key and folded by key), the
 transactions it saw commit and the last of them (the progress row names it), a part that is due,
 a batch that is full. A stream of small transactions (pgbench's, single-row inserts) or one large
 one is then mostly C: no message object, no call per change. Whatever the lane does not take
-(any other message, a table it may not write, an update of part of a row or of its key, a value
-not in text, anything malformed) it leaves where it stopped, and the ordinary path (decoder,
+(any other message, a table it may not write, an update of part of a row or of its key, a row
+whose values are not all in its run's format, anything malformed) it leaves where it stopped, and the ordinary path (decoder,
 assembler, sink) takes it, so every check and error stays there.
 
 Must never hold a transaction across a return: one still open when the C lane stops is handed
@@ -44,11 +45,13 @@ class Lane:
     def __init__(self, module: ModuleType, sink: TargetApplier) -> None:
         self._sink = sink
         self._lane = module.Lane(sink.batch_runs)
-        # A run for each kind of change, made from (columns, key positions).
+        # A run for each kind of change, made from (columns, key positions), in the format of
+        # the values of the change that asked for it (``Lane.binary``).
+        lane = self._lane
         self._makers: dict[str, Callable[[int, tuple[int, ...]], Run | KeyRun]] = {
-            "I": lambda columns, keys: module.Run(columns),
-            "U": lambda columns, keys: module.KeyRun(columns, keys, True),
-            "D": lambda columns, keys: module.KeyRun(columns, keys, False),
+            "I": lambda columns, keys: module.Run(columns, lane.binary),
+            "U": lambda columns, keys: module.KeyRun(columns, keys, True, lane.binary),
+            "D": lambda columns, keys: module.KeyRun(columns, keys, False, lane.binary),
         }
 
     def take(self, payloads: list[bytes], start: int, *,

@@ -4,6 +4,7 @@ and the exact row counts every statement must affect."""
 from __future__ import annotations
 
 from applier.apply.batch import COPY_MIN_ROWS, Batch
+from applier.apply.copy import copy_binary, copy_binary_data
 from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
@@ -149,8 +150,8 @@ def test_a_dependent_table_is_a_barrier_for_gathering() -> None:
 class _Run:
     """A run as the lane's C type holds it (``_speedups.Run``)."""
 
-    def __init__(self, columns: int) -> None:
-        self.data, self.columns, self.rows = bytearray(), columns, 0
+    def __init__(self, columns: int, binary: bool = False) -> None:
+        self.data, self.columns, self.rows, self.binary = bytearray(), columns, 0, binary
 
 
 def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
@@ -168,6 +169,37 @@ def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
     copy = statements[1]
     assert copy.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN'
     assert bytes(copy.copy_data) == b"1\ta\tx\n2\tb\\tc\t\\N\n" and copy.expected_rows == 2
+
+
+def test_a_binary_run_is_sent_as_copy_binary_with_header_and_trailer() -> None:
+    batch = Batch()
+    items = _mapping(relation_id=1, independent=True)
+    run = _Run(3, binary=True)
+    batch.open_run(items, run, kind="I")
+    run.data += copy_binary([(b"\x00\x00\x00\x01", b"a", None)])  # as the lane writes it
+    run.rows += 1
+    batch.insert(items, TupleData(b"bbb", (b"\x00\x00\x00\x02", b"b", b"c")))  # joins the run
+    batch.insert(items, _row(b"3", b"c", b"d"))  # text: closes the binary run
+    copy, insert = batch.statements()
+    assert copy.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN (FORMAT binary)'
+    assert bytes(copy.copy_data) == copy_binary_data(copy_binary(
+        [(b"\x00\x00\x00\x01", b"a", None), (b"\x00\x00\x00\x02", b"b", b"c")]))
+    assert copy.expected_rows == 2 and insert.sql.startswith("INSERT")
+
+
+def test_a_long_run_of_binary_inserts_goes_as_copy_binary_and_mixed_formats_as_inserts() -> None:
+    batch, mapping = Batch(), _mapping()
+    rows = [TupleData(b"bbn", (n.to_bytes(4, "big"), b"v", None)) for n in range(COPY_MIN_ROWS)]
+    for row in rows:
+        batch.insert(mapping, row)
+    (copy,) = batch.statements()
+    assert copy.sql.endswith("(FORMAT binary)")
+    assert bytes(copy.copy_data) == copy_binary_data(copy_binary([row.values for row in rows]))
+    batch.clear()
+    for row in rows[:-1]:
+        batch.insert(mapping, row)
+    batch.insert(mapping, TupleData(b"btn", (b"\x00\x00\x00\x00", b"v", None)))  # mixed
+    assert all(s.sql.startswith("INSERT") for s in batch.statements())
 
 
 def test_another_change_of_the_table_closes_its_run_and_a_barrier_closes_every_run() -> None:

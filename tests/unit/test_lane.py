@@ -1,5 +1,6 @@
 """The lane's C core (``_lane.Lane``): what it takes from received payloads, the COPY
-text it writes, and where (and why) it stops, leaving the rest to the ordinary path."""
+text or binary data it writes, and where (and why) it stops, leaving the rest to the ordinary
+path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import random
 import pytest
 
 from applier.apply.batch import Batch
-from applier.apply.copy import copy_text_pure
+from applier.apply.copy import copy_binary, copy_text_pure
 from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.apply.lane import core
 from applier.protocol.decoder import decode_pure
@@ -34,8 +35,8 @@ def _make_lane(runs: dict, *, whole: bool = True, after: int = 0, part: int = BI
     return lane
 
 
-def _run(columns: int):
-    return _lane.Run(columns)
+def _run(columns: int, binary: bool = False):
+    return _lane.Run(columns, binary)
 
 
 def _txn(final: int, xid: int, *inserts: bytes) -> list[bytes]:
@@ -65,6 +66,35 @@ def test_copy_text_agrees_with_the_reference_on_random_values() -> None:
     payloads = _txn(0x300, 9, *(pg.insert(3, row) for row in rows))
     assert _make_lane(runs).take(payloads, 0) == len(payloads)
     assert bytes(runs[3].data) == copy_text_pure([decode_pure(p).new_tuple.values for p in payloads[1:-1]])
+
+
+def test_binary_values_become_copy_binary_tuples_of_a_binary_run() -> None:
+    """Binary values are the type's send format already: each goes behind its length word,
+    NULL as -1, exactly as the reference encoder writes them."""
+    rng = random.Random(7)
+    rows = [[None if rng.random() < 0.2 else rng.randbytes(rng.randrange(9)) for _ in range(3)]
+            for _ in range(100)]
+    runs = {3: _run(3, binary=True)}
+    payloads = _txn(0x300, 9, *(pg.insert(3, [None if v is None else pg.Binary(v) for v in row])
+                                for row in rows))
+    lane = _make_lane(runs)
+    assert lane.take(payloads, 0) == len(payloads) and lane.reason == END
+    assert bytes(runs[3].data) == copy_binary([tuple(row) for row in rows]) and runs[3].rows == 100
+    assert lane.bytes == sum(len(v) for row in rows for v in row if v is not None)
+
+
+def test_a_run_takes_only_rows_in_its_own_format_and_a_missing_run_says_which() -> None:
+    text_row, binary_row = pg.insert(7, [b"1", None]), pg.insert(7, [None, pg.Binary(b"\x01")])
+    for run_is_binary, refused in ((True, text_row), (False, binary_row)):
+        runs = {7: _run(2, binary=run_is_binary)}
+        taken = binary_row if run_is_binary else text_row
+        lane = _make_lane(runs)
+        assert lane.take(_txn(0x100, 500, taken, refused), 0) == 2 and lane.reason == FOREIGN
+        assert runs[7].rows == 1
+    for row, binary in ((text_row, False), (binary_row, True), (pg.insert(7, [None, None]), False)):
+        lane = _make_lane({})
+        assert lane.take(_txn(0x100, 500, row), 0) == 1
+        assert (lane.reason, lane.binary) == (NO_RUN, binary)
 
 
 def test_a_transaction_that_goes_on_with_another_change_is_handed_back_where_it_stopped() -> None:
@@ -137,8 +167,8 @@ def test_inside_a_transaction_only_its_changes_are_taken() -> None:
     assert _make_lane(runs, whole=False).take([pg.begin(0x100, 1000, 5)], 0) == 0  # no Begin inside
 
 
-def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True):
-    return _lane.KeyRun(columns, keys, whole_rows)
+def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True, binary: bool = False):
+    return _lane.KeyRun(columns, keys, whole_rows, binary)
 
 
 def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None:
@@ -164,6 +194,24 @@ def test_updates_of_part_of_a_row_or_of_its_key_are_left_to_the_ordinary_path(pa
     lane = _make_lane(runs)
     assert lane.take(_txn(0x100, 500, pg.update(7, [b"5", b"e"]), payload), 0) == 2
     assert lane.reason == FOREIGN and len(runs[7]) == 1
+
+
+def test_binary_updates_fold_into_a_binary_key_run_sent_as_binary_parameters() -> None:
+    mapping = _mapping(7, "acc", ("bal", "integer"))
+    one, two = b"\x00\x00\x00\x01", b"\x00\x00\x00\x02"
+    runs = {7: _key_run(2, (0,), binary=True)}
+    payloads = _txn(0x100, 500, pg.update(7, [pg.Binary(one), pg.Binary(b"a")]),
+                    pg.update(7, [pg.Binary(one), None]), pg.update(7, [b"1", b"t"]))
+    lane = _make_lane(runs)
+    assert lane.take(payloads, 0) == 3 and lane.reason == FOREIGN  # the text update is refused
+    assert (len(runs[7]), runs[7].changes) == (1, 2)
+    batch = Batch()
+    batch.open_run(mapping, runs[7], kind="U")
+    batch.update(mapping, TupleData(b"bb", (two, b"b")), None)  # the ordinary path joins it
+    batch.update(mapping, TupleData(b"tt", (b"3", b"c")), None)  # text: not in a binary run
+    *by_key, single = batch.statements()  # two rows: two single-row statements (the ladder)
+    assert [s.values for s in by_key] == [[one, None, one], [two, b"b", two]]
+    assert [s.formats for s in by_key] == [[1] * 3] * 2 and single.formats == [0, 0, 0]
 
 
 def test_a_change_without_a_run_of_its_kind_names_relation_and_kind() -> None:

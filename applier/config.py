@@ -80,12 +80,21 @@ class Option:
     def env(self) -> str:
         return "APPLIER_" + self.name.upper()
 
+    def _choice(self, raw: Any) -> str:
+        # A choice of on/off (and more) also takes a boolean, as the option once was one.
+        if "on" in self.choices and "off" in self.choices:
+            try:
+                return "on" if _parse_bool(raw) else "off"
+            except ValueError:
+                pass
+        return str(raw)
+
     def convert(self, raw: Any) -> Any:
         if raw is None:
             return None
         converters: dict[str, Callable[[Any], Any]] = {
             "str": str, "int": int, "bool": _parse_bool, "size": parse_size,
-            "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": str,
+            "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
             "lsn": lambda v: LSN.parse(str(v)),
         }
         try:
@@ -117,8 +126,12 @@ OPTIONS: tuple[Option, ...] = (
            kind="choice", choices=("off", "on", "parallel"), commands=_REPLICATION),
     Option("two_phase", "Decode prepared transactions at PREPARE time (protocol 3+). Default: "
            "on when the slot was created with two_phase.", kind="bool", commands=_REPLICATION),
-    Option("binary", "Ask the source for binary column values (source and target types must "
-           "then match exactly).", kind="bool", default=False, commands=_REPLICATION),
+    Option("binary", "Column values in binary (PostgreSQL 14+ source), which is cheaper to "
+           "produce and to load than text. on: always (source and target types must then match "
+           "exactly). auto: binary while every replicated column has the same built-in type on "
+           "both sides; the first relation that does not restarts the session in text, for the "
+           "rest of the process. off: text. peek shows text unless on.", kind="choice",
+           choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),
     Option("origin", "Publisher-side origin filter (PostgreSQL 16+): 'none' sends only changes "

@@ -143,7 +143,7 @@ def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], N
         options = resolve_stream_options(
             conn.info.server_version, settings.publication, proto_version=settings.proto_version,
             streaming=settings.streaming, two_phase=settings.two_phase,
-            slot_two_phase=slot.two_phase, binary=settings.binary, messages=settings.messages,
+            slot_two_phase=slot.two_phase, binary=settings.binary == "on", messages=settings.messages,
             origin=settings.origin)
         if options.two_phase and not slot.two_phase:
             raise PeekError(f"slot {settings.slot!r} was created without two_phase; decoding it "

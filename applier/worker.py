@@ -123,7 +123,7 @@ from .apply.extensions import Extensions, setup_extensions
 from .apply.lane import Lane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
-from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier
+from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier, TextValuesNeeded
 from .apply.streaming import StreamingApply
 from .apply.skipping import request_skip
 from .assembler import Assembler, ProtocolSequenceError
@@ -170,6 +170,9 @@ def _log_retry(state: RetryCallState) -> None:
         # Not a failure: a conflict or an unexpected row count in a batch, redone row by row.
         log.info("batch rolled back (%s); applying up to %s row by row", exc, exc.careful_until)
         return
+    if isinstance(exc, TextValuesNeeded):  # not a failure either: a one-time switch
+        log.info("%s", exc)
+        return
     wait = state.next_action.sleep if state.next_action else 0
     log.warning("session ended: %s; reconnecting in %.1f s (attempt %d)", exc, wait, state.attempt_number)
 
@@ -197,6 +200,9 @@ class Worker:
         self._warned: set[str] = set()
         # Streamed xids whose early apply was open when a session ended: applied at their commit.
         self._refused_early: set[int] = set()
+        # --binary auto met a relation whose binary values would not mean the same on the
+        # target: text values from then on.
+        self._text_values = False
 
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -244,7 +250,7 @@ class Worker:
         """Exponential backoff over consecutive failures without progress; none before a careful
         redo (it is not a failure of the connection)."""
         exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, ApplyError) and exc.careful_until is not None:
+        if isinstance(exc, TextValuesNeeded) or (isinstance(exc, ApplyError) and exc.careful_until is not None):
             return 0.0
         if self._progressed:
             self._progressed = False
@@ -282,11 +288,13 @@ class Worker:
         try:
             slot_two_phase = self._check_source(control)
             probe_version = control.info.server_version
+            # auto: binary from PostgreSQL 14 on, until a relation is found not binary-safe.
+            auto_binary = settings.binary == "auto" and not self._text_values and probe_version >= 140000
             try:
                 options = resolve_stream_options(
                     probe_version, settings.publication, proto_version=settings.proto_version,
                     streaming=settings.streaming, two_phase=settings.two_phase,
-                    slot_two_phase=slot_two_phase, binary=settings.binary,
+                    slot_two_phase=slot_two_phase, binary=settings.binary == "on" or auto_binary,
                     messages=settings.messages, origin=settings.origin)
             except UnsupportedOption as exc:
                 raise ConfigError(str(exc)) from None
@@ -315,7 +323,7 @@ class Worker:
             applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
                                     limits=limits, careful_until=self.careful_until,
                                     track_target_lsn=settings.synchronous_commit == "off",
-                                    sync_filter=sync_filter,
+                                    sync_filter=sync_filter, binary_check=auto_binary,
                                     extensions=self._extensions(target, options))
             if settings.streamed_apply == "early" and options.streaming != "off":
                 early = StreamingApply(applier, lambda: self._target_session("streamed"),
@@ -330,6 +338,8 @@ class Worker:
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
             if isinstance(exc, ApplyError) and exc.careful_until is not None:
                 self.careful_until = max(self.careful_until, exc.careful_until)
+            if isinstance(exc, TextValuesNeeded):
+                self._text_values = True
             if _transient(exc):
                 raise
             raise WorkerFailed(self._describe_failure(exc, stream)) from exc

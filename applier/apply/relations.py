@@ -9,7 +9,11 @@ from sqlalchemy import Connection, text
 from ..protocol.messages import Relation
 
 __all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MissingTargetTable",
-           "MissingTargetColumn", "reflect_table", "map_relation", "quote_ident", "qualified_name"]
+           "MissingTargetColumn", "reflect_table", "map_relation", "quote_ident", "qualified_name",
+           "FIRST_NORMAL_OID"]
+
+#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
+FIRST_NORMAL_OID = 16384
 
 
 class MissingTargetTable(LookupError):
@@ -35,6 +39,7 @@ class TargetColumn:
     type_sql: str          # format_type(): the cast every incoming value goes through
     generated: bool
     has_equality: bool     # an '=' operator for exactly this type; else rows are matched as text
+    type_oid: int = 0      # pg_type OID (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,8 @@ _TABLE_SQL = text("""
 _COLUMNS_SQL = text("""
     SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
            EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
-                   AND o.oprleft = a.atttypid AND o.oprright = a.atttypid)
+                   AND o.oprleft = a.atttypid AND o.oprright = a.atttypid),
+           a.atttypid::int8
     FROM pg_catalog.pg_attribute a
     WHERE a.attrelid = :oid AND a.attnum > 0 AND NOT a.attisdropped
     ORDER BY a.attnum
@@ -95,7 +101,7 @@ def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
             f"target table {qualified_name(schema, name)} does not exist; create it on the target "
             "(same schema-qualified name) and restart")
     oid, partitioned, independent = found
-    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]))
+    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]))
                for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
     key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
     return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))
@@ -110,6 +116,14 @@ class RelationMapping:
     target_columns: tuple[TargetColumn, ...]   # parallel to relation.columns
     key_positions: tuple[int, ...]             # source positions of the replica identity columns
     full_identity: bool                        # REPLICA IDENTITY FULL: match the old row on all columns
+
+    @property
+    def binary_safe(self) -> bool:
+        """Binary values of this relation mean the same on the target: every column has the same
+        built-in type on both sides. Binary formats are per type, and those of arrays and
+        composites carry type OIDs, which only built-in types share between databases."""
+        return all(column.type_oid < FIRST_NORMAL_OID and column.type_oid == target.type_oid
+                   for column, target in zip(self.relation.columns, self.target_columns))
 
 
 def map_relation(relation: Relation, table: TargetTable) -> RelationMapping:

@@ -51,7 +51,7 @@ from .session import TargetError, TargetSession
 from .skipping import Skipper
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
 
-__all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits"]
+__all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits", "TextValuesNeeded"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,16 @@ class ApplyError(Exception):
         self.careful_until = careful_until
 
 
+class TextValuesNeeded(ApplyError):
+    """The stream sends binary values because ``--binary auto`` found no reason not to, and a
+    relation's would not mean the same on the target (a type that differs, or that is not built
+    in). Nothing of the open target transaction is committed; the session restarts with text
+    values."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, transient=True)
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """When the fast path commits: whichever limit is reached first (and whenever the stream is
@@ -115,7 +125,7 @@ class TargetApplier:
                  slot: str, applied: AppliedPosition, on_commit: OnCommit, *,
                  extensions: Extensions | None = None, limits: BatchLimits | None = None,
                  careful_until: LSN = LSN(0), track_target_lsn: bool = False,
-                 sync_filter: SyncFilter | None = None) -> None:
+                 sync_filter: SyncFilter | None = None, binary_check: bool = False) -> None:
         self.session = session
         self.reflect = reflect
         self.slot = slot
@@ -133,6 +143,9 @@ class TargetApplier:
         self.careful_until = careful_until
         self.track_target_lsn = track_target_lsn
         self.sync_filter = sync_filter
+        # The stream's binary values were not asked for by the user (--binary auto): each
+        # relation must be binary-safe (RelationMapping.binary_safe), else TextValuesNeeded.
+        self.binary_check = binary_check
         # Fast-path updates carry the same origin guard as careful ones, so a row another origin
         # wrote shows up as a row-count difference and goes to the careful path's detection.
         self._batch = Batch(self._conflicts.written_by_us if self._conflicts.origin_id is not None
@@ -197,6 +210,11 @@ class TargetApplier:
             mapping = map_relation(relation, self.reflect(relation.namespace, relation.name))
         except (MissingTargetTable, MissingTargetColumn) as exc:
             raise self._error(str(exc)) from exc
+        if self.binary_check and not mapping.binary_safe:
+            raise TextValuesNeeded(
+                f"the types of {mapping.table.sql_name} differ between source and target or are not "
+                "built in, so its binary values would not mean the same there; restarting "
+                "replication with text values (--binary auto)")
         self._mappings[relation_id] = mapping
         return mapping
 

@@ -50,7 +50,7 @@ from .messages import MessageSink
 from .origins import OriginTag, OriginTracker
 from .relations import TargetTable, quote_ident
 from .session import TargetError, TargetSession
-from .sink import ApplyError, BatchLimits, TargetApplier
+from .sink import ApplyError, BatchLimits, TargetApplier, TextValuesNeeded
 from .skipping import SkipRequests
 
 __all__ = ["StreamingApply", "LOCK_TIMEOUT"]
@@ -124,7 +124,7 @@ class StreamingApply:
                 SkipRequests(session, main.slot, None), progress_sql=extensions.progress_sql),
             # Parts go ahead as on the main session; only the Stream Commit commits.
             limits=BatchLimits(sys.maxsize, main.limits.bytes, math.inf),
-            track_target_lsn=main.track_target_lsn)
+            track_target_lsn=main.track_target_lsn, binary_check=main.binary_check)
         return True
 
     # -- EarlyApply ----------------------------------------------------------------------------
@@ -319,6 +319,9 @@ class StreamingApply:
         before any such change was taken (the assembler then buffers them)."""
         try:
             step()
+        except TextValuesNeeded:
+            self._give_up("", quietly=True)  # the session restarts in text; nothing is refused
+            raise
         except (ApplyError, TargetError) as exc:
             self._give_up(str(exc))
             return False
@@ -328,6 +331,9 @@ class StreamingApply:
     def _step(self, step: Callable[[], None]) -> None:
         try:
             step()
+        except TextValuesNeeded:
+            self._give_up("", quietly=True)
+            raise
         except (ApplyError, TargetError) as exc:
             self._give_up(str(exc))
 

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 
 import psycopg
 
-from ..apply.relations import qualified_name, quote_ident
+from ..apply.relations import FIRST_NORMAL_OID, qualified_name, quote_ident
 
 __all__ = ["PublishedTable", "SourceColumn", "TableDefinition", "CatalogError", "published_tables",
            "table_definition", "source_column_types"]
 
-#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
-FIRST_NORMAL_OID = 16384
 
 
 class CatalogError(RuntimeError):

@@ -46,11 +46,19 @@ def test_config_file_from_environment_and_unknown_keys(tmp_path: Path) -> None:
     ({"memory_budget": "lots"}, "invalid size"),
     ({"memory_budget": "1kB"}, "at least 64kB"),
     ({"status_interval": "60"}, "between 1 and 10"),
-    ({"binary": "maybe"}, "invalid boolean"),
+    ({"messages": "maybe"}, "invalid boolean"),
+    ({"binary": "maybe"}, "not one of auto, on, off"),
 ])
 def test_bad_values_are_named(values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings("run", values, None, {})
+
+
+def test_binary_takes_its_choices_and_the_booleans_it_once_took() -> None:
+    assert load_settings("run", {}, None, {}).binary == "auto"
+    assert load_settings("run", {"binary": True}, None, {}).binary == "on"
+    assert load_settings("run", {}, None, {"APPLIER_BINARY": "false"}).binary == "off"
+    assert load_settings("run", {"binary": "auto"}, None, {}).binary == "auto"
 
 
 def test_required_settings_say_where_to_set_them() -> None:

@@ -218,6 +218,19 @@ class TargetApplier:
         self._mappings[relation_id] = mapping
         return mapping
 
+    def check_binary_values(self, relation_id: int) -> None:
+        """Raise TextValuesNeeded when this relation's binary values would not mean the same on
+        the target (``binary_check``), for changes kept to be applied later (a deferred prepared
+        transaction): a restart in text must not find them stored in binary. Anything else wrong
+        with the relation is reported when they are applied, as without the check."""
+        if self.binary_check and relation_id not in self._mappings:
+            try:
+                self._mapping(relation_id)
+            except TextValuesNeeded:
+                raise
+            except ApplyError:
+                pass
+
     # -- transactions ---------------------------------------------------------------------------
     def begin(self, txn: TransactionStart) -> None:
         self._current = txn

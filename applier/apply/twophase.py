@@ -356,6 +356,7 @@ class _Deferred(Divert):
                 if relation is None:
                     raise self.applier._error(f"change for relation id {relation_id} before its "
                                               "Relation message (protocol violation)")
+                self.applier.check_binary_values(relation_id)
                 self._append(encode(relation))
                 self.described.add(relation_id)
         self._append(encode(msg))

@@ -102,6 +102,26 @@ def test_prepare_then_commit_or_rollback(source_db, target_db, mode: str) -> Non
     assert_same_rows(source_db, target_db, "events", "t")
 
 
+def test_a_deferred_transaction_is_stored_in_text_when_a_table_is_not_binary_safe(source_db,
+                                                                                  target_db) -> None:
+    """--binary auto and defer mode: a prepared transaction on a table whose column is int on
+    the source and bigint on the target turns the session to text before it is stored, so its
+    later COMMIT PREPARED (the source then sends the commit alone) replays text values."""
+    _setup(source_db, target_db)
+    source_db.execute("CREATE TABLE wide (id int PRIMARY KEY, v int)")
+    target_db.execute("CREATE TABLE wide (id int PRIMARY KEY, v bigint)")
+    source_db.execute("ALTER PUBLICATION pub ADD TABLE wide")
+    prepare_on_source(source_db, "wide", "INSERT INTO wide SELECT g, g * 7 FROM generate_series(1, 50) g")
+
+    first = run_worker(source_db, target_db, *_mode("defer"))
+    assert 'the types of "public"."wide" differ between source and target' in first.stderr
+    assert _held(target_db, "defer") == 1
+    source_db.execute("COMMIT PREPARED 'wide'")
+    run_worker(source_db, target_db, *_mode("defer"))
+    assert_same_rows(source_db, target_db, "wide")
+    _nothing_left(target_db)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_commit_and_rollback_prepared_behind_a_batch(source_db, target_db, mode: str) -> None:
     """A backlog read in one burst: the fast path still holds a batch of committed transactions

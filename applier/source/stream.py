@@ -1,7 +1,8 @@
 """The replication connection: START_REPLICATION over CopyBoth, keepalives and feedback.
 
 Owns one ``replication="database"`` psycopg connection. ``read_batch()`` returns XLogData payloads
-(``read()`` one XLogData with its WAL position) and answers keepalives itself; ``confirm()``
+(``read()`` one XLogData with its WAL position), taken from libpq by a small C reader when it is
+built (``_frames.c``), and answers keepalives itself; ``confirm()``
 takes the flush position from the worker and standby status updates report exactly that (never
 more), at least every ``status_interval`` seconds.
 Must never decode pgoutput (that is the protocol stage) or guess durability.
@@ -13,13 +14,16 @@ import logging
 import select
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
+from ..libpq import Binding
 from ..protocol.lsn import LSN, PG_EPOCH
 from .options import StreamOptions
 
@@ -39,6 +43,46 @@ PROGRESS_REPORT_INTERVAL = 1.0
 #: Most XLogData messages ``read_batch`` returns at once (the caller's stop and commit checks
 #: run between batches).
 READ_BATCH = 256
+_XLOGDATA_HEADER = 25
+#: How a frame taker stopped, besides PQgetCopyData's 0 (nothing complete held), -1 (the stream
+#: ended) and -2 (an error): the batch is full; a frame other than XLogData (handed back).
+_LIMIT, _OTHER = 1, 2
+#: (payloads to append to, limit) -> (how it stopped, bytes received, WAL start of the last
+#: XLogData taken or -1, the other frame or None)
+_TakeFrames = Callable[[list[bytes], int], tuple[int, int, int, "bytes | None"]]
+
+
+def _take_frames_python(pgconn: pq.abc.PGconn, batch: list[bytes],
+                        limit: int) -> tuple[int, int, int, bytes | None]:
+    """The C frame reader's loop (``_frames.take``), in Python."""
+    received = 0
+    last = None  # the last XLogData frame taken (its header is read once, at the end)
+    outcome: int = _LIMIT
+    other = None
+    while len(batch) < limit:
+        nbytes, data = pgconn.get_copy_data(1)
+        if nbytes <= 0:
+            outcome = nbytes
+            break
+        received += nbytes
+        if data[0] == 0x77 and nbytes >= _XLOGDATA_HEADER:  # 'w' XLogData
+            batch.append(data[_XLOGDATA_HEADER:].tobytes())
+            last = data
+            continue
+        outcome, other = _OTHER, bytes(data)
+        break
+    return outcome, received, -1 if last is None else _XLOGDATA_START(last, 1)[0], other
+
+
+def _load_frames() -> ModuleType | None:
+    try:
+        from . import _frames  # type: ignore[attr-defined]  # built only where a compiler was
+    except ImportError:
+        return None
+    return _frames
+
+
+_frames_binding = Binding("replication frame reader", _load_frames, ("PQgetCopyData", "PQfreemem"))
 
 #: SQLSTATEs after which retrying cannot help: the operator must act.
 PERMANENT_SQLSTATES = {
@@ -121,6 +165,7 @@ class ReplicationStream:
         self.bytes_received = 0
         self._ended = False            # the server ended the stream after the last batch
         self.last_start = 0            # WAL start of the last payload read_batch returned
+        self._take: _TakeFrames | None = None  # the frame taker of the open connection
 
     # -- connection ---------------------------------------------------------------------------
     def connect(self) -> psycopg.Connection:
@@ -128,6 +173,7 @@ class ReplicationStream:
             self._conn = psycopg.connect(self._conninfo, autocommit=True)
         except psycopg.Error as exc:
             raise classify(exc) from exc
+        self._take = None
         return self._conn
 
     @property
@@ -191,6 +237,7 @@ class ReplicationStream:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+            self._take = None
 
     # -- stream -------------------------------------------------------------------------------
     def read(self, timeout: float) -> XLogData | None:
@@ -202,7 +249,8 @@ class ReplicationStream:
         """The XLogData payloads that have arrived: waits up to ``timeout`` seconds for the first,
         then takes what is already here (at most ``limit``) without waiting again; empty after
         ``timeout`` without any. Taking a batch spares the per-message overhead of a call and an
-        object each; ``last_start`` is the WAL start of the last payload returned.
+        object each, and the C frame reader (``_frames``) takes them with no Python per message;
+        ``last_start`` is the WAL start of the last payload returned.
 
         Keepalives are consumed here; a keepalive that asks for a reply gets a status update at
         once, and one is sent anyway when ``status_interval`` has passed.
@@ -212,34 +260,30 @@ class ReplicationStream:
         pgconn = self.connection.pgconn
         self.send_status_if_due()
         batch: list[bytes] = []
-        last = None  # the last XLogData frame taken (its header is read once, at the end)
+        take = self._take
+        if take is None:
+            take = self._take = self._take_frames(pgconn)
         received = 0
         deadline: float | None = None
         try:
             while True:
-                nbytes, data = pgconn.get_copy_data(1)
-                if nbytes > 0:
-                    received += nbytes
-                    kind = data[0]
-                    if kind == 0x77:  # 'w' XLogData
-                        batch.append(data[25:].tobytes())
-                        last = data
-                        if len(batch) >= limit:
-                            return batch
-                        continue
-                    if kind == 0x6B:  # 'k' keepalive
-                        wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
-                        self.keepalive_wal_end = LSN(wal_end)
-                        self._received(wal_end)
-                        if reply:
-                            self.send_status()
-                        continue
-                    raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r}",
-                                      permanent=True)
-                if batch:
-                    self._ended = nbytes < 0  # deliver what came before the end; the next call raises
+                outcome, nbytes, start, frame = take(batch, limit)
+                received += nbytes
+                if start >= 0:
+                    self.last_start = start
+                if outcome == _LIMIT:
                     return batch
-                if nbytes < 0:
+                if outcome == _OTHER:
+                    assert frame is not None
+                    self._other_frame(frame)
+                    continue
+                if outcome == -2:
+                    raise psycopg.OperationalError("receiving replication data failed: "
+                                                   + pgconn.error_message.decode(errors="replace"))
+                if batch:
+                    self._ended = outcome < 0  # deliver what came before the end; the next call raises
+                    return batch
+                if outcome < 0:
                     self._raise_stream_end()
                 # Nothing complete in libpq's buffer: look at the socket (even with no time left,
                 # what has already arrived must be read in, or a zero timeout would spin).
@@ -256,9 +300,30 @@ class ReplicationStream:
                 self.send_status_if_due()
         finally:
             self.bytes_received += received
-            if last is not None:
-                self.last_start = _XLOGDATA_START(last, 1)[0]
+            if batch:
                 self._received(self.last_start)
+
+    def _take_frames(self, pgconn: pq.abc.PGconn) -> _TakeFrames:
+        """The frame taker for this connection: the C reader when it is built and bound to
+        psycopg's libpq, else the same loop in Python."""
+        frames = _frames_binding.get(pgconn)
+        if frames is None:
+            return lambda batch, limit: _take_frames_python(pgconn, batch, limit)
+        pointer = pgconn.pgconn_ptr
+        return lambda batch, limit: frames.take(pointer, batch, limit)
+
+    def _other_frame(self, frame: bytes) -> None:
+        """A CopyData frame that is not XLogData: a keepalive, answered at once if it asks."""
+        kind = frame[0]
+        if kind == 0x6B and len(frame) == 1 + _KEEPALIVE.size:  # 'k' keepalive
+            wal_end, _, reply = _KEEPALIVE.unpack_from(frame, 1)
+            self.keepalive_wal_end = LSN(wal_end)
+            self._received(wal_end)
+            if reply:
+                self.send_status()
+            return
+        raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r} of {len(frame)} "
+                          "bytes", permanent=True)
 
     def _received(self, position: int) -> None:
         if position > self.received_lsn:

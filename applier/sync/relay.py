@@ -10,22 +10,16 @@ objects and the caller.
 
 from __future__ import annotations
 
-import ctypes
-import logging
-import os
-import re
-import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import ModuleType
 
 import psycopg
 from psycopg import pq
 from psycopg.errors import error_from_result
 
-__all__ = ["accelerated", "relay"]
+from ..libpq import Binding
 
-log = logging.getLogger(__name__)
+__all__ = ["accelerated", "relay"]
 
 #: Rows gathered per write on the Python path; psycopg copies writes over 128 kB into pieces.
 BLOCK_SIZE = 64 * 1024
@@ -35,7 +29,7 @@ REPORT_BYTES = 8 * 1024**2
 # relay() states of the C side (see _relay.c).
 _MORE, _SOURCE_END, _SOURCE_LOST, _TARGET_FAILED = range(4)
 
-#: The libpq functions the C relay calls, in bind()'s order.
+#: The libpq functions the C relay calls, in its bind()'s order.
 _FUNCTIONS = ("PQgetCopyData", "PQputCopyData", "PQfreemem", "PQsocket", "PQconsumeInput",
               "PQisBusy", "PQisnonblocking", "PQsetnonblocking", "PQflush")
 
@@ -49,7 +43,7 @@ def relay(out: psycopg.Copy, into: psycopg.Copy, on_bytes: Callable[[int], None]
     # format that data carries its own header and trailer, and psycopg must add neither.
     into.write(first)
     on_bytes(len(first))
-    c_relay = _binding.get(out.connection)
+    c_relay = _binding.get(out.connection.pgconn)
     if c_relay is None:
         return _relay_python(out, into, on_bytes)
     return _relay_c(c_relay, out.connection, into.connection, on_bytes)
@@ -57,7 +51,7 @@ def relay(out: psycopg.Copy, into: psycopg.Copy, on_bytes: Callable[[int], None]
 
 def accelerated(conn: psycopg.Connection) -> bool:
     """Whether ``relay`` runs in C for connections like ``conn``."""
-    return _binding.get(conn) is not None
+    return _binding.get(conn.pgconn) is not None
 
 
 def _relay_python(out: psycopg.Copy, into: psycopg.Copy, on_bytes: Callable[[int], None]) -> int:
@@ -110,68 +104,12 @@ def _error_message(conn: psycopg.Connection) -> str:
     return conn.pgconn.get_error_message(conn.info.encoding).strip() or "connection lost"
 
 
-class _Binding:
-    """The C relay, bound on first use to the libpq a connection runs on (finding it needs one)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._decided = False
-        self._module: ModuleType | None = None
-
-    def get(self, conn: psycopg.Connection) -> ModuleType | None:
-        """The bound C relay; None when it is not built, disabled (APPLIER_PURE_PYTHON=1), or
-        psycopg's libpq cannot be found for certain."""
-        with self._lock:
-            if not self._decided:
-                self._module = _bind(conn)
-                self._decided = True
-            return self._module
-
-
-_binding = _Binding()
-
-
-def _bind(conn: psycopg.Connection) -> ModuleType | None:
-    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
-        return None
+def _load() -> ModuleType | None:
     try:
         from . import _relay  # type: ignore[attr-defined]  # built only where a compiler was
     except ImportError:
         return None
-    functions = _libpq_functions(conn.pgconn)
-    if functions is None:
-        log.info("COPY relay: psycopg's libpq not found among the loaded libraries; copying "
-                 "through Python")
-        return None
-    _relay.bind(*functions)
     return _relay
 
 
-def _libpq_functions(pgconn: pq.abc.PGconn) -> list[int] | None:
-    """Addresses of ``_FUNCTIONS`` in the libpq psycopg loaded (its own copy with the binary
-    package, the system's otherwise). Only libraries already loaded are considered, and one is
-    taken only when it reports psycopg's libpq version and reads this connection's backend pid
-    and socket right: calling another libpq's functions on psycopg's connections would crash."""
-    for path in _loaded_libpqs():
-        try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-            lib.PQlibVersion.restype = ctypes.c_int
-            lib.PQbackendPID.argtypes = lib.PQsocket.argtypes = [ctypes.c_void_p]
-            if (lib.PQlibVersion() != pq.version()
-                    or lib.PQbackendPID(pgconn.pgconn_ptr) != pgconn.backend_pid
-                    or lib.PQsocket(pgconn.pgconn_ptr) != pgconn.socket):
-                continue
-            return [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0 for name in _FUNCTIONS]
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
-def _loaded_libpqs() -> list[str]:
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return []  # not Linux: the Python path is used
-    paths = {fields[5] for fields in (line.split(None, 5) for line in maps.splitlines())
-             if len(fields) == 6}
-    return sorted(p for p in paths if re.match(r"libpq[-.].*\.so", Path(p).name))
+_binding = Binding("COPY relay", _load, _FUNCTIONS)

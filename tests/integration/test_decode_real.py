@@ -35,6 +35,7 @@ from applier.protocol import (
     StreamStop, Truncate, TupleData, decode,
 )
 from applier.source import ReplicationStream, max_protocol_version, resolve_stream_options
+from applier.source import stream as stream_module
 
 pytestmark = pytest.mark.server
 
@@ -379,6 +380,45 @@ def test_binary_mode(src: Source) -> None:
                                            "zé".encode(), None)
         text = only(src.read(f"bin_{proto}", proto), Insert)[0]
         assert text_values(text.new_tuple) == ["42", "-2", "zé", None]
+
+
+def test_the_c_frame_reader_takes_what_the_python_loop_takes(src: Source,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same unconfirmed slot read twice, in small batches (which end at the limit, at an
+    empty buffer or at a keepalive, as the frames happen to arrive): once by the C reader, once
+    by its Python loop. Both give the same payloads and the same last WAL start."""
+    frames = stream_module._load_frames()
+    if frames is None:  # ./dev test builds it, and fails on any skip
+        pytest.skip("the C frame reader is not built")
+    src.db.execute("CREATE TABLE f (id int PRIMARY KEY, v text)")
+    src.create_slot("frames")
+    for n in range(300):
+        src.db.execute("INSERT INTO f VALUES (%s, repeat('v', %s))", (n, n))
+    src.db.execute("UPDATE f SET v = v || '+'")
+
+    def read_all(python: bool) -> tuple[list[tuple[int, list[bytes]]], int]:
+        if python:
+            monkeypatch.setattr(ReplicationStream, "_take_frames", lambda self, pgconn: (
+                lambda batch, limit: stream_module._take_frames_python(pgconn, batch, limit)))
+        batches: list[tuple[int, list[bytes]]] = []
+        with src.open("frames", max(src.protocols)) as reader:
+            stream = reader.stream
+            if not python:
+                assert stream_module._frames_binding.get(stream.connection.pgconn) is frames
+            while batch := stream.read_batch(2.0, limit=7):
+                batches.append((stream.last_start, batch))
+            # At least Begin, Insert, Commit each and a Relation; then Begin, 300 Updates, Commit.
+            assert sum(len(b) for _, b in batches) >= 300 * 3 + 1 + 302
+            return batches, stream.bytes_received
+
+    c_batches, c_bytes = read_all(python=False)
+    python_batches, python_bytes = read_all(python=True)
+    assert [payload for _, b in c_batches for payload in b] == \
+        [payload for _, b in python_batches for payload in b]
+    assert c_batches[-1][0] == python_batches[-1][0]
+    frame_bytes = sum(len(payload) + 25 for _, b in c_batches for payload in b)  # with headers
+    assert c_bytes >= frame_bytes and python_bytes >= frame_bytes  # keepalives come on top
+    assert c_batches[-1][1][-1][:1] in (b"C", b"c")  # the update's Commit (or Stream Commit)
 
 
 # -- streamed transactions ---------------------------------------------------------------------

@@ -11,7 +11,12 @@ limits: the source's (decoding the same backlog from a third slot with
 ``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). The
 applier package is byte-compiled first, as an installed wheel is.
 
+Each contender runs with its defaults: applier asks for binary values (``--binary auto``: every
+table here has the same built-in types on both sides), the native subscription for text
+(``binary = false``) unless ``--native-binary``.
+
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
+                                    [--native-binary]
 """
 
 from __future__ import annotations
@@ -154,13 +159,15 @@ def _peak_kb(pid: int) -> int:
     return int(line.split()[1])
 
 
-def drain_native(source: Database, target: Database, slot: str, work_mem: str, end_lsn: str) -> Result:
+def drain_native(source: Database, target: Database, slot: str, work_mem: str, end_lsn: str,
+                 binary: bool) -> Result:
     conninfo = f"host={source.cluster.host} port={source.cluster.port} user=postgres dbname={source.name} " \
                f"options='-c logical_decoding_work_mem={work_mem}'"
     with target.connect() as conn:
         conn.execute(sql.SQL("CREATE SUBSCRIPTION bench_native CONNECTION {} PUBLICATION bench WITH "
-                             "(create_slot = false, slot_name = {}, copy_data = false, enabled = false)")
-                     .format(sql.Literal(conninfo), sql.Literal(slot)))
+                             "(create_slot = false, slot_name = {}, copy_data = false, enabled = false, "
+                             "binary = {})")
+                     .format(sql.Literal(conninfo), sql.Literal(slot), sql.Literal(binary)))
         origin = conn.execute("SELECT 'pg_' || oid FROM pg_subscription WHERE subname = 'bench_native'").fetchone()[0]
         started = time.monotonic()
         conn.execute("ALTER SUBSCRIPTION bench_native ENABLE")
@@ -179,7 +186,8 @@ def drain_native(source: Database, target: Database, slot: str, work_mem: str, e
 
 def source_ceiling(source: Database, slot: str, work_mem: str, end_lsn: str, pg_version: int) -> float:
     """Seconds for the source alone to decode the backlog: ``pg_logical_slot_get_binary_changes``
-    runs pgoutput over the slot with our worker's options up to ``end_lsn`` in one backend, with
+    runs pgoutput over the slot with our worker's options (binary values: every bench table has
+    the same built-in types on both sides) up to ``end_lsn`` in one backend, with
     no network and no client (a client such as pg_recvlogical, writing every message out, is
     itself slower than the native subscriber and would measure itself)."""
     proto, streaming = (4, "parallel") if pg_version >= 16 else (3, "on")
@@ -187,7 +195,8 @@ def source_ceiling(source: Database, slot: str, work_mem: str, end_lsn: str, pg_
         conn.execute(sql.SQL("SET logical_decoding_work_mem = {}").format(sql.Literal(work_mem)))
         started = time.monotonic()
         conn.execute("SELECT count(*) FROM pg_logical_slot_get_binary_changes(%s, %s::pg_lsn, NULL, "
-                     "'proto_version', %s, 'publication_names', 'bench', 'streaming', %s)",
+                     "'proto_version', %s, 'publication_names', 'bench', 'streaming', %s, "
+                     "'binary', 'true')",
                      (slot, end_lsn, str(proto), streaming))
         return time.monotonic() - started
 
@@ -213,7 +222,8 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
-                 index: int, pg_version: int) -> tuple[Result, Result, float, tuple[float, int]]:
+                 index: int, pg_version: int, native_binary: bool
+                 ) -> tuple[Result, Result, float, tuple[float, int]]:
     source = source_server.create_database(f"bench_src_{index}")
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
@@ -236,7 +246,8 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     mine = drain_ours(source, ours, "bench_ours", workload.decoding_work_mem)
     target_server_checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
-    theirs = drain_native(source, native, "bench_native", workload.decoding_work_mem, end_lsn)
+    theirs = drain_native(source, native, "bench_native", workload.decoding_work_mem, end_lsn,
+                          native_binary)
     print("  decoding on the source alone ...", flush=True)
     alone = source_ceiling(source, "bench_source", workload.decoding_work_mem, end_lsn, pg_version)
     mine.equal = _same(source, ours, workload.tables)
@@ -267,6 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each workload this many times (fresh databases each time) and "
                              "report the median of every figure: one run on a shared machine varies")
+    parser.add_argument("--native-binary", action="store_true",
+                        help="create the native subscription WITH (binary = true); its default is "
+                             "false, while applier asks for binary values by default (--binary "
+                             "auto) when, as here, every table has the same built-in types")
     args = parser.parse_args(argv)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
@@ -284,14 +299,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   flush=True)
             runs = []
             for _ in range(args.repeat):
-                runs.append(run_workload(workload, source_server, target_server, index, args.pg_version))
+                runs.append(run_workload(workload, source_server, target_server, index, args.pg_version,
+                                         args.native_binary))
                 index += 1
             rows.append((workload, *_medians(runs)))
     finally:
         source_server.cleanup()
         target_server.cleanup()
     runs_note = f" (median of {args.repeat} runs)" if args.repeat > 1 else ""
-    print(f"\n{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
+    print(f"\nvalues: applier binary (--binary auto), native {'binary' if args.native_binary else 'text'} "
+          f"(binary = {str(args.native_binary).lower()})")
+    print(f"{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
           f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}{runs_note}")
     ok = True
     for workload, mine, theirs, alone, ceiling in rows:

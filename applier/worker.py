@@ -11,8 +11,11 @@ commit order. Data flows one way through five stages, each in its own package:
 
 * ``source`` opens a ``replication=database`` connection with the session settings that make
   every text value round-trip exactly (ISO dates, ``postgres`` intervals, ``extra_float_digits=3``,
-  the target's encoding) and runs START_REPLICATION from the position recorded on the target. It
-  answers keepalives and sends a standby status update at least every ``status_interval``.
+  the target's encoding) and runs START_REPLICATION from the position recorded on the target,
+  asking for binary values while every table has the same built-in types on both sides
+  (``--binary auto``: the first relation that has not turns the session to text, see Failures).
+  A small C reader takes the XLogData payloads straight from libpq. It answers keepalives and
+  sends a standby status update at least every ``status_interval``.
 * ``protocol`` turns each XLogData payload into an immutable message. It is stateless; the worker
   tells it whether it is inside a streamed block, where data messages carry an xid.
 * ``assembler`` checks that the messages form possible sequences and turns them into
@@ -43,7 +46,8 @@ commit order. Data flows one way through five stages, each in its own package:
   The lane (``apply/lane.py``, its core in C) shortens this path for the commonest changes: it
   takes plain transactions of inserts, of updates of whole rows by key and of deletes by key,
   and those changes of any transaction on the fast path (a replayed streamed one too), straight
-  from the received payloads into the batch (inserts as COPY text, updates and deletes folded by
+  from the received payloads into the batch (inserts as COPY text, or COPY binary for binary
+  values, which are already in the format COPY binary carries; updates and deletes folded by
   key), building no message object. It stops at anything else, which then takes the way above from where it stopped; a
   transaction it began and cannot finish is handed to the assembler at its Begin, so a batch
   never ends inside a source transaction.
@@ -86,7 +90,10 @@ Failures
 A lost connection on either side ends the current session: the open target transactions (if
 any, in either target session) are rolled back, buffered streamed transactions are dropped, and
 after a backoff (tenacity) a new session starts from the recorded position. So does a lock wait
-past its lock_timeout while a transaction is applied as it streams. Errors that waiting cannot
+past its lock_timeout while a transaction is applied as it streams, and, at once, a relation
+whose binary values would not mean the same on the target (the new session asks for text values,
+for the rest of the process; a prepared transaction deferred to COMMIT PREPARED is checked
+before it is stored, since the source never sends its content again). Errors that waiting cannot
 fix (slot or publication missing, authentication, a missing target table or column, malformed
 protocol bytes) stop the worker with a message that names the object, the source LSN and xid
 where known, and what to do (including the ``applier skip`` command that skips that one

@@ -129,6 +129,29 @@ def test_binary_auto_loads_identical_built_in_types_in_binary_and_turns_to_text_
     assert_same_rows(source_db, target_db, "same_t", "wider_t")
 
 
+def test_binary_auto_turns_to_text_inside_a_transaction_applied_as_it_streams(source_db,
+                                                                             target_db) -> None:
+    """A large transaction, applied as it streams in the second target session, reaches a table
+    that is not binary-safe after rows of one that is: that session rolls back, the replication
+    session restarts in text, and the whole transaction is applied once, still as it streams."""
+    source_db.execute("CREATE TABLE same_t (id int PRIMARY KEY, v text); "
+                      "CREATE TABLE wider_t (id int PRIMARY KEY, v int)")
+    target_db.execute("CREATE TABLE same_t (id int PRIMARY KEY, v text); "
+                      "CREATE TABLE wider_t (id int PRIMARY KEY, v bigint)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE same_t, wider_t")
+    create_slot(source_db)
+    with source_db.connect() as conn:  # well over logical_decoding_work_mem: the source streams it
+        with conn.transaction():
+            conn.execute("INSERT INTO same_t SELECT g, repeat('s', 100) FROM generate_series(1, 3000) g")
+            conn.execute("INSERT INTO wider_t SELECT g, g FROM generate_series(1, 3000) g")
+    proc = run_worker(source_db, target_db)
+    assert 'the types of "public"."wider_t" differ between source and target' in proc.stderr
+    sessions = [line for line in proc.stderr.splitlines() if "streaming from" in line]
+    assert ["binary 'true'" in line for line in sessions] == [True, False], sessions
+    assert "1 streamed transaction(s) applied as they streamed" in proc.stderr, proc.stderr[-3000:]
+    assert_same_rows(source_db, target_db, "same_t", "wider_t")
+
+
 def test_truncate_cascade_of_fk_linked_tables(source_db, target_db) -> None:
     ddl = """CREATE TABLE a (id int PRIMARY KEY);
              CREATE TABLE b (id int PRIMARY KEY, a_id int REFERENCES a (id));"""

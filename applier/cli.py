@@ -64,6 +64,12 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
         if option.kind == "bool":
             parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
+        elif option.kind == "choice" and {"on", "off"} <= set(option.choices):
+            # Once a boolean (--binary): the bare flag still means on, and --no-... off.
+            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
+                                nargs="?", const="on", help=help_text)
+            parser.add_argument("--no-" + option.flag[2:], dest=option.name, action="store_const",
+                                const="off", help=argparse.SUPPRESS)
         elif option.kind == "choice":
             parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
                                 help=help_text)

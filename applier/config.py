@@ -130,7 +130,7 @@ OPTIONS: tuple[Option, ...] = (
            "produce and to load than text. on: always (source and target types must then match "
            "exactly). auto: binary while every replicated column has the same built-in type on "
            "both sides; the first relation that does not restarts the session in text, for the "
-           "rest of the process. off: text. peek shows text unless on.", kind="choice",
+           "rest of the process. off: text. A bare --binary means on. peek shows text unless on.", kind="choice",
            choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),

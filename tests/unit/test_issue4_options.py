@@ -53,6 +53,15 @@ def test_repeatable_options_from_the_command_line_and_environment() -> None:
         load_settings("skip", {"lsn": "12345"}, None, {})
 
 
+@pytest.mark.parametrize("flags, value", [
+    ([], None), (["--binary", "auto"], "auto"), (["--binary", "off"], "off"),
+    (["--binary"], "on"), (["--no-binary"], "off"),  # the flags of the boolean it once was
+])
+def test_binary_on_the_command_line(flags: list[str], value: str | None) -> None:
+    args = build_parser().parse_args(["run", *flags])
+    assert args.binary == value
+
+
 def test_skip_and_status_commands_have_their_options() -> None:
     args = build_parser().parse_args(["skip", "--target", "t", "--slot", "s", "--lsn", "0/1"])
     assert (args.command, args.lsn) == ("skip", "0/1")

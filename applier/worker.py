@@ -255,9 +255,10 @@ class Worker:
 
     def _backoff(self, state: RetryCallState) -> float:
         """Exponential backoff over consecutive failures without progress; none before a careful
-        redo (it is not a failure of the connection)."""
+        redo or a switch to text values (``ApplyError.restart_at_once``: not a failure of the
+        connection)."""
         exc = state.outcome.exception() if state.outcome else None
-        if isinstance(exc, TextValuesNeeded) or (isinstance(exc, ApplyError) and exc.careful_until is not None):
+        if isinstance(exc, ApplyError) and exc.restart_at_once:
             return 0.0
         if self._progressed:
             self._progressed = False

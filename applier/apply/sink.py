@@ -83,6 +83,9 @@ class ApplyError(Exception):
         self.commit_lsn = commit_lsn
         self.xid = xid
         self.careful_until = careful_until
+        #: Not a failure of a connection but a change of course (a careful redo, text values):
+        #: the session restarts at once, with no backoff.
+        self.restart_at_once = careful_until is not None
 
 
 class TextValuesNeeded(ApplyError):
@@ -93,6 +96,7 @@ class TextValuesNeeded(ApplyError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, transient=True)
+        self.restart_at_once = True
 
 
 @dataclass(frozen=True)

@@ -319,11 +319,8 @@ class StreamingApply:
         before any such change was taken (the assembler then buffers them)."""
         try:
             step()
-        except TextValuesNeeded:
-            self._give_up("", quietly=True)  # the session restarts in text; nothing is refused
-            raise
         except (ApplyError, TargetError) as exc:
-            self._give_up(str(exc))
+            self._failed(exc)
             return False
         self._taken = True
         return True
@@ -331,11 +328,16 @@ class StreamingApply:
     def _step(self, step: Callable[[], None]) -> None:
         try:
             step()
-        except TextValuesNeeded:
-            self._give_up("", quietly=True)
-            raise
         except (ApplyError, TargetError) as exc:
-            self._give_up(str(exc))
+            self._failed(exc)
+
+    def _failed(self, exc: ApplyError | TargetError) -> None:
+        """A step failed: give the transaction up. Binary values the target cannot take need a
+        session in text, which applies this transaction as it streams again: nothing is refused."""
+        if isinstance(exc, TextValuesNeeded):
+            self._give_up("", quietly=True)
+            raise exc
+        self._give_up(str(exc))
 
     def _give_up(self, reason: str, quietly: bool = False) -> None:
         """Roll the early transaction back. Once it holds changes the assembler kept no copy of,

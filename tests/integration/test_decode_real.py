@@ -28,6 +28,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from applier import libpq
 from applier.cli import main as cli_main
 from applier.protocol import (
     LSN, Begin, BeginPrepare, Commit, CommitPrepared, Insert, Prepare, Relation,
@@ -385,10 +386,11 @@ def test_binary_mode(src: Source) -> None:
 def test_the_c_frame_reader_takes_what_the_python_loop_takes(src: Source,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The same unconfirmed slot read twice, in small batches (which end at the limit, at an
-    empty buffer or at a keepalive, as the frames happen to arrive): once by the C reader, once
-    by its Python loop. Both give the same payloads and the same last WAL start."""
+    empty buffer or at a keepalive, as the frames happen to arrive): once by the C reader, bound
+    here to psycopg's libpq whatever APPLIER_PURE_PYTHON says, once by its Python loop. Both give
+    the same payloads and the same last WAL start."""
     frames = stream_module._load_frames()
-    if frames is None:  # ./dev test builds it, and fails on any skip
+    if frames is None:  # no C compiler at install; ./dev test builds it and fails on any skip
         pytest.skip("the C frame reader is not built")
     src.db.execute("CREATE TABLE f (id int PRIMARY KEY, v text)")
     src.create_slot("frames")
@@ -396,23 +398,28 @@ def test_the_c_frame_reader_takes_what_the_python_loop_takes(src: Source,
         src.db.execute("INSERT INTO f VALUES (%s, repeat('v', %s))", (n, n))
     src.db.execute("UPDATE f SET v = v || '+'")
 
-    def read_all(python: bool) -> tuple[list[tuple[int, list[bytes]]], int]:
-        if python:
-            monkeypatch.setattr(ReplicationStream, "_take_frames", lambda self, pgconn: (
-                lambda batch, limit: stream_module._take_frames_python(pgconn, batch, limit)))
+    def c_reader(self: ReplicationStream, pgconn: Any) -> Any:
+        addresses = libpq.functions(pgconn, ("PQgetCopyData", "PQfreemem"))
+        assert addresses is not None, "psycopg's libpq not found among the loaded libraries"
+        frames.bind(*addresses)
+        return lambda batch, limit: frames.take(pgconn.pgconn_ptr, batch, limit)
+
+    def python_loop(self: ReplicationStream, pgconn: Any) -> Any:
+        return lambda batch, limit: stream_module._take_frames_python(pgconn, batch, limit)
+
+    def read_all(take_frames: Any) -> tuple[list[tuple[int, list[bytes]]], int]:
+        monkeypatch.setattr(ReplicationStream, "_take_frames", take_frames)
         batches: list[tuple[int, list[bytes]]] = []
         with src.open("frames", max(src.protocols)) as reader:
             stream = reader.stream
-            if not python:
-                assert stream_module._frames_binding.get(stream.connection.pgconn) is frames
             while batch := stream.read_batch(2.0, limit=7):
                 batches.append((stream.last_start, batch))
             # At least Begin, Insert, Commit each and a Relation; then Begin, 300 Updates, Commit.
             assert sum(len(b) for _, b in batches) >= 300 * 3 + 1 + 302
             return batches, stream.bytes_received
 
-    c_batches, c_bytes = read_all(python=False)
-    python_batches, python_bytes = read_all(python=True)
+    c_batches, c_bytes = read_all(c_reader)
+    python_batches, python_bytes = read_all(python_loop)
     assert [payload for _, b in c_batches for payload in b] == \
         [payload for _, b in python_batches for payload in b]
     assert c_batches[-1][0] == python_batches[-1][0]

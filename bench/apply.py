@@ -8,8 +8,11 @@ with ``applier run --exit-when-caught-up`` and the other with a native ``CREATE 
 (``copy_data = false`` on the pre-made slot), verifies both targets equal the source, and prints
 elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and two physical
 limits: the source's (decoding the same backlog from a third slot with
-``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). The
-applier package is byte-compiled first, as an installed wheel is.
+``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). It
+also prints the CPU time each contender's drain cost the source's and the target's server
+processes: the source's is almost all one walsender, a single process, so it is a floor for
+the drain time of any subscriber. The applier package is byte-compiled first, as an installed
+wheel is.
 
 Each contender runs with its defaults: applier asks for binary values (``--binary auto``: every
 table here has the same built-in types on both sides), the native subscription for text
@@ -29,7 +32,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +71,42 @@ class Result:
     seconds: float
     peak_mb: float | None = None
     equal: bool = False
-    extra: dict[str, float] = field(default_factory=dict)
+    # CPU seconds the source's and the target's server processes spent on this drain (None
+    # where the servers run in containers): the source's is almost all one walsender, a single
+    # process, so no subscriber can drain the backlog in less time than that.
+    source_cpu: float | None = None
+    target_cpu: float | None = None
+
+
+def _exited_cpu(server: PostgresServer) -> float | None:
+    """User + system CPU seconds of every process of ``server`` that has exited so far: backends,
+    walsenders and apply workers are the postmaster's children, and the kernel adds each one's
+    times to the postmaster's when it collects them. None when the postmaster is not a local
+    process (the testcontainers backend)."""
+    data_dir = getattr(server, "data_dir", None)  # LocalCluster only
+    if data_dir is None:
+        return None
+    try:
+        pid = int((Path(data_dir) / "postmaster.pid").read_text().split()[0])
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")  # cutime + cstime
+
+
+def _released(source: Database, slot: str) -> None:
+    """Wait until no walsender holds ``slot`` (it exits once its client has gone), then give the
+    postmaster a moment to collect it, so that its CPU time is counted."""
+    while source.query("SELECT active FROM pg_replication_slots WHERE slot_name = %s", (slot,))[0][0]:
+        time.sleep(0.01)
+    time.sleep(0.2)
+
+
+def _cpu_since(before: tuple[float | None, float | None], source: Database, target: Database
+               ) -> tuple[float | None, float | None]:
+    after = (_exited_cpu(source.cluster), _exited_cpu(target.cluster))
+    return tuple(None if b is None or a is None else a - b  # type: ignore[return-value]
+                 for b, a in zip(before, after))
 
 
 def _pgbench(db: Database, *args: str) -> None:
@@ -134,6 +172,7 @@ def drain_ours(source: Database, target: Database, slot: str, work_mem: str) -> 
                "--exit-when-caught-up", "--log-level", "WARNING"]
     # The bookkeeping schema is made before the clock starts, as the native subscription is.
     upgrade_schema(make_engine(target.dsn))
+    cpu = (_exited_cpu(source.cluster), _exited_cpu(target.cluster))
     started = time.monotonic()
     proc = subprocess.Popen(command, cwd=ROOT)
     peak_kb = 0
@@ -147,7 +186,9 @@ def drain_ours(source: Database, target: Database, slot: str, work_mem: str) -> 
     elapsed = time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"applier run failed with status {proc.returncode}")
-    return Result(elapsed, peak_mb=peak_kb / 1024)
+    _released(source, slot)
+    source_cpu, target_cpu = _cpu_since(cpu, source, target)
+    return Result(elapsed, peak_mb=peak_kb / 1024, source_cpu=source_cpu, target_cpu=target_cpu)
 
 
 def _peak_kb(pid: int) -> int:
@@ -169,6 +210,7 @@ def drain_native(source: Database, target: Database, slot: str, work_mem: str, e
                              "binary = {})")
                      .format(sql.Literal(conninfo), sql.Literal(slot), sql.Literal(binary)))
         origin = conn.execute("SELECT 'pg_' || oid FROM pg_subscription WHERE subname = 'bench_native'").fetchone()[0]
+        cpu = (_exited_cpu(source.cluster), _exited_cpu(target.cluster))
         started = time.monotonic()
         conn.execute("ALTER SUBSCRIPTION bench_native ENABLE")
         while True:
@@ -179,9 +221,11 @@ def drain_native(source: Database, target: Database, slot: str, work_mem: str, e
             time.sleep(0.02)
         elapsed = time.monotonic() - started
         conn.execute("ALTER SUBSCRIPTION bench_native DISABLE")
+        _released(source, slot)
+        source_cpu, target_cpu = _cpu_since(cpu, source, target)
         conn.execute("ALTER SUBSCRIPTION bench_native SET (slot_name = NONE)")
         conn.execute("DROP SUBSCRIPTION bench_native")
-    return Result(elapsed)
+    return Result(elapsed, source_cpu=source_cpu, target_cpu=target_cpu)
 
 
 def source_ceiling(source: Database, slot: str, work_mem: str, end_lsn: str, pg_version: int) -> float:
@@ -310,7 +354,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"\nvalues: applier binary (--binary auto), native {'binary' if args.native_binary else 'text'} "
           f"(binary = {str(args.native_binary).lower()})")
     print(f"{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
-          f"{'ours/native':>11} {'peak MB':>8} {'equal':>6}{runs_note}")
+          f"{'ours/native':>11} {'peak MB':>8} {'src CPU':>8} {'tgt CPU':>8} {'equal':>6}{runs_note}")
     ok = True
     for workload, mine, theirs, alone, ceiling in rows:
         for name, result in (("applier", mine), ("native", theirs)):
@@ -318,7 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             peak = f"{result.peak_mb:.0f}" if result.peak_mb else ""
             print(f"{workload.name:<26} {name:<10} {result.seconds:>8.2f} "
                   f"{workload.rows / result.seconds:>10,.0f} {workload.transactions / result.seconds:>9,.0f} "
-                  f"{ratio:>11} {peak:>8} {str(result.equal):>6}")
+                  f"{ratio:>11} {peak:>8} {_seconds(result.source_cpu):>8} {_seconds(result.target_cpu):>8} "
+                  f"{str(result.equal):>6}")
             ok &= result.equal
         print(f"{'':<26} {'source':<10} {alone:>8.2f} {workload.rows / alone:>10,.0f} "
               f"{workload.transactions / alone:>9,.0f}   (source's physical ceiling: decoding the "
@@ -326,16 +371,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds, copied = ceiling
         print(f"{'':<26} {'COPY':<10} {seconds:>8.2f} {copied / seconds if seconds else 0:>10,.0f}"
               f"   (target's physical ceiling: binary COPY of the {copied:,} final rows)")
+    print("src CPU / tgt CPU: CPU seconds of the source's and the target's server processes during "
+          "the drain; the source's is almost all its one walsender, so no subscriber drains faster")
     return 0 if ok else 1
+
+
+def _seconds(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _median(values: list[float | None]) -> float | None:
+    return None if any(v is None for v in values) else statistics.median(values)  # type: ignore[type-var]
 
 
 def _medians(runs: list[tuple[Result, Result, float, tuple[float, int]]]
              ) -> tuple[Result, Result, float, tuple[float, int]]:
     """Each figure's median over the runs; a contender is equal only if it was equal every time.
     Peak memory is the largest seen."""
-    mine = Result(statistics.median(r[0].seconds for r in runs),
-                  peak_mb=max(r[0].peak_mb or 0 for r in runs), equal=all(r[0].equal for r in runs))
-    theirs = Result(statistics.median(r[1].seconds for r in runs), equal=all(r[1].equal for r in runs))
+    mine, theirs = (Result(statistics.median(r[i].seconds for r in runs),
+                           peak_mb=max(r[i].peak_mb or 0 for r in runs) or None,
+                           equal=all(r[i].equal for r in runs),
+                           source_cpu=_median([r[i].source_cpu for r in runs]),
+                           target_cpu=_median([r[i].target_cpu for r in runs])) for i in (0, 1))
     return (mine, theirs, statistics.median(r[2] for r in runs),
             (statistics.median(r[3][0] for r in runs), runs[0][3][1]))
 

@@ -110,8 +110,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def _runner(command: str) -> Callable[[Settings], int]:
     if command == "run":
-        from .worker import run
-        return run
+        return _run
     if command == "sync":
         from .sync.runner import run_sync
         return run_sync
@@ -125,6 +124,16 @@ def _runner(command: str) -> Callable[[Settings], int]:
         from .ops.status import status
         return status
     raise AssertionError(command)
+
+
+def _run(settings: Settings) -> int:
+    """``applier run``: the replication stream is started before the worker is loaded, so that
+    the source decodes while we import (headstart.py)."""
+    from .headstart import start_early
+    head_start = start_early(settings)
+    with _start_up():
+        from .worker import run
+    return run(settings, head_start)
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import logging
 
 from .apply.skipping import request_skip
 from .config import Settings
-from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
+from .progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
 
 __all__ = ["run_skip"]
 

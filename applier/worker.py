@@ -15,7 +15,10 @@ commit order. Data flows one way through five stages, each in its own package:
   asking for binary values while every table has the same built-in types on both sides
   (``--binary auto``: the first relation that has not turns the session to text, see Failures).
   A small C reader takes the XLogData payloads straight from libpq. It answers keepalives and
-  sends a standby status update at least every ``status_interval``.
+  sends a standby status update at least every ``status_interval``. ``applier run`` starts that
+  stream before it loads the rest of the worker (``headstart.py``, psycopg alone), so the source
+  decodes a backlog while we import; the first session takes it only if it is the very stream
+  it would have started after all its checks.
 * ``protocol`` turns each XLogData payload into an immutable message. It is stateless; the worker
   tells it whether it is inside a streamed block, where data messages carry an xid.
 * ``assembler`` checks that the messages form possible sequences and turns them into
@@ -130,15 +133,17 @@ from .apply.extensions import Extensions, setup_extensions
 from .apply.lane import Lane
 from .apply.relations import reflect_table, TargetTable
 from .apply.session import TargetError, TargetSession
-from .apply.sink import ApplyError, AppliedPosition, BatchLimits, TargetApplier, TextValuesNeeded
+from .apply.sink import ApplyError, BatchLimits, TargetApplier, TextValuesNeeded
 from .apply.streaming import StreamingApply
 from .apply.skipping import request_skip
 from .assembler import Assembler, ProtocolSequenceError
 from .config import ConfigError, Settings, mask_dsn
+from .headstart import HeadStart
 from .ops.metrics import Telemetry
-from .progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, read_position, upgrade_schema
+from .progress.position import AppliedPosition, read_position
+from .progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
 from .protocol import LSN, DecodeError, decode
-from .source import ReplicationStream, SourceError, StreamOptions, resolve_stream_options, UnsupportedOption
+from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption, options_for
 from .source.stream import classify, is_permanent
 from .source.slots import create_slot, publications_missing, slot_info
 from .sync.state import SyncFilter, SyncIncomplete, table_sync_lsns
@@ -185,9 +190,12 @@ def _log_retry(state: RetryCallState) -> None:
 
 
 class Worker:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, head_start: HeadStart | None = None) -> None:
         settings.require("source", "target", "slot", "publication")
         self.settings = settings
+        # The stream ``applier run`` started before loading the worker: the first session takes
+        # it if it would have started the same one (headstart.py).
+        self._head_start = head_start
         self.slot: str = settings.slot
         self.stop_requested = False
         self.caught_up: _CaughtUp | None = None
@@ -231,6 +239,8 @@ class Worker:
             log.info("stopped on signal")
             return 0
         finally:
+            if self._head_start is not None:
+                self._head_start.close()
             self.telemetry.close()
             lock.release()
             for sig, handler in previous.items():
@@ -281,7 +291,6 @@ class Worker:
         settings = self.settings
         assert self._engine is not None
         engine = self._engine
-        applied = read_position(engine, self.slot) or AppliedPosition(LSN(0), LSN(0))
         target = self._target_session()
         self._unflushed.clear()
         try:
@@ -294,24 +303,20 @@ class Worker:
         applier: TargetApplier | None = None
         early: StreamingApply | None = None
         try:
+            applied = read_position(target.conn, self.slot) or AppliedPosition(LSN(0), LSN(0))
             slot_two_phase = self._check_source(control)
-            probe_version = control.info.server_version
-            # auto: binary from PostgreSQL 14 on, until a relation is found not binary-safe.
-            auto_binary = settings.binary == "auto" and not self._text_values and probe_version >= 140000
             try:
-                options = resolve_stream_options(
-                    probe_version, settings.publication, proto_version=settings.proto_version,
-                    streaming=settings.streaming, two_phase=settings.two_phase,
-                    slot_two_phase=slot_two_phase, binary=settings.binary == "on" or auto_binary,
-                    messages=settings.messages, origin=settings.origin)
+                options = options_for(settings, control.info.server_version, slot_two_phase,
+                                      text_values=self._text_values)
             except UnsupportedOption as exc:
                 raise ConfigError(str(exc)) from None
-            stream = ReplicationStream(settings.source, self.slot, options,
-                                       status_interval=settings.status_interval,
-                                       client_encoding=target.server_encoding)
-            stream.connect()
+            # auto: binary values until a relation is found not binary-safe (checked per relation).
+            auto_binary = settings.binary == "auto" and options.binary
+            stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
+            started_early = early_position is not None
             if self.caught_up is None and settings.exit_when_caught_up:
-                self.caught_up = _CaughtUp(stream.identify_system()[2])
+                self.caught_up = _CaughtUp(early_position if early_position is not None
+                                           else stream.identify_system()[2])
                 log.info("will exit once caught up with source position %s", self.caught_up.goal)
 
             def on_commit(end_lsn: LSN, target_lsn: LSN | None) -> None:
@@ -339,9 +344,11 @@ class Worker:
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir,
                                   heartbeat=stream.send_status_if_due, early=early)
             self.telemetry.attach(stream, assembler, applier)
-            log.info("streaming from %s (recorded commit %s) with %s", applied.end_lsn,
-                     applied.commit_lsn, options.sql())
-            stream.start(applied.end_lsn)
+            log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
+                     applied.commit_lsn, options.sql(),
+                     ", started while the worker loaded" if started_early else "")
+            if not started_early:
+                stream.start(applied.end_lsn)
             self._stream_loop(stream, assembler, applier, early, control)
         except (ApplyError, DecodeError, ProtocolSequenceError, SourceError, TargetError) as exc:
             if isinstance(exc, ApplyError) and exc.careful_until is not None:
@@ -372,6 +379,19 @@ class Worker:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the session is ending; its cause is reported
                     log.debug("cleanup step %s failed: %s", step.__qualname__, exc)
+
+    def _open_stream(self, options: StreamOptions, start_lsn: LSN, encoding: str
+                     ) -> tuple[ReplicationStream, LSN | None]:
+        """The stream started while the worker loaded, if it is the one this session would start,
+        with the source's WAL position noted then; else a new connection, not started yet."""
+        if self._head_start is not None:
+            stream = self._head_start.take(options, start_lsn, encoding)
+            if stream is not None:
+                return stream, self._head_start.source_position
+        stream = ReplicationStream(self.settings.source, self.slot, options,
+                                   status_interval=self.settings.status_interval, client_encoding=encoding)
+        stream.connect()
+        return stream, None
 
     def _target_session(self, role: str | None = None) -> TargetSession:
         name = f"applier {self.slot}" + (f" ({role})" if role else "")
@@ -562,10 +582,10 @@ def _safe(name: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
-def run(settings: Settings) -> int:
+def run(settings: Settings, head_start: HeadStart | None = None) -> int:
     """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
     try:
-        return Worker(settings).run()
+        return Worker(settings, head_start).run()
     except (WorkerFailed, AlreadyRunning, SchemaError, SourceError, TargetError, SyncIncomplete,
             psycopg.OperationalError) as exc:
         log.error("%s", exc)

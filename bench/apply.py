@@ -42,7 +42,7 @@ import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from applier.embedded import Database, PostgresServer, ServerSettings, start_server  # noqa: E402
-from applier.progress import make_engine, upgrade_schema  # noqa: E402
+from applier.progress.store import make_engine, upgrade_schema  # noqa: E402
 
 #: Durable targets, as in production: the commit path is part of what is measured.
 #: track_commit_timestamp at PostgreSQL's default (off): the workloads load their starting rows

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 
 from .. import faults
+from ..progress.position import AppliedPosition
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
     KIND_BINARY, KIND_UNCHANGED, CommitPrepared, Delete, Insert, Message, Origin, Relation,
@@ -51,7 +52,7 @@ from .session import TargetError, TargetSession
 from .skipping import Skipper
 from .statements import NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement
 
-__all__ = ["TargetApplier", "ApplyError", "AppliedPosition", "BatchLimits", "TextValuesNeeded"]
+__all__ = ["TargetApplier", "ApplyError", "BatchLimits", "TextValuesNeeded"]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +113,6 @@ class BatchLimits:
 #: Called after a target commit: the source end LSN it covers, and (with synchronous_commit off)
 #: the target WAL position that must be flushed before the slot may be told.
 OnCommit = Callable[[LSN, "LSN | None"], None]
-
-
-@dataclass
-class AppliedPosition:
-    """The last source transaction durably applied on the target."""
-
-    commit_lsn: LSN
-    end_lsn: LSN
 
 
 class TargetApplier:

@@ -30,7 +30,7 @@ from sqlalchemy import Connection
 from ..apply.sink import TargetApplier
 from ..assembler import Assembler
 from ..config import ConfigError, Settings, mask_dsn
-from ..progress import make_engine
+from ..progress.store import make_engine
 from ..protocol.lsn import LSN
 from ..source import ReplicationStream, SourceError
 from .lag import Lag, LagLimit, measure_lag, parse_lag_limit

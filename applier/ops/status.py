@@ -25,7 +25,7 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
 from ..config import Settings, mask_dsn
-from ..progress import make_engine
+from ..progress.store import make_engine
 from ..protocol.lsn import LSN
 from .lag import Lag, measure_lag, parse_lag_limit
 

@@ -12,11 +12,8 @@ from sqlalchemy.pool import NullPool
 
 from ..apply.session import TargetError
 from ..source.stream import is_permanent
-from ..apply.sink import AppliedPosition
-from ..protocol.lsn import LSN
 
-__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "read_position",
-           "upgrade_schema", "MIGRATIONS_DIR", "SCHEMA_HEAD"]
+__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "upgrade_schema", "MIGRATIONS_DIR", "SCHEMA_HEAD"]
 
 #: The newest migration's revision (a unit test holds it to alembic's own head). A schema already
 #: there needs no alembic at all, which saves loading it (a third of a second) at every start.
@@ -86,15 +83,6 @@ def _revision(conn: Connection) -> str | None:
     if conn.execute(text("SELECT pg_catalog.to_regclass('applier.alembic_version')")).scalar() is None:
         return None
     return conn.execute(text("SELECT version_num FROM applier.alembic_version")).scalar()
-
-
-def read_position(engine: Engine, slot: str) -> AppliedPosition | None:
-    with engine.connect() as conn:
-        row = conn.execute(text("SELECT commit_lsn::text, end_lsn::text FROM applier.progress "
-                                "WHERE slot_name = :slot"), {"slot": slot}).first()
-    if row is None:
-        return None
-    return AppliedPosition(LSN.parse(row[0]), LSN.parse(row[1]))
 
 
 class WorkerLock:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["StreamOptions", "UnsupportedOption", "max_protocol_version", "resolve_stream_options"]
+from ..config import Settings
+
+__all__ = ["StreamOptions", "UnsupportedOption", "max_protocol_version", "options_for",
+           "resolve_stream_options"]
 
 
 class UnsupportedOption(ValueError):
@@ -103,3 +106,16 @@ def resolve_stream_options(server_version_num: int, publications: list[str], *,
                                     f"runs PostgreSQL {major}")
     return StreamOptions(tuple(_quote_publication(p) for p in publications), version, streaming,
                          two_phase, binary, messages, origin)
+
+
+def options_for(settings: Settings, server_version_num: int, slot_two_phase: bool, *,
+                text_values: bool = False) -> StreamOptions:
+    """The options a worker with ``settings`` asks of this source. Binary values with ``--binary
+    on``, and with ``auto`` from PostgreSQL 14 on unless a relation already needed text values
+    (``text_values``: the worker then stays on text)."""
+    auto_binary = settings.binary == "auto" and not text_values and server_version_num >= 140000
+    return resolve_stream_options(
+        server_version_num, settings.publication, proto_version=settings.proto_version,
+        streaming=settings.streaming, two_phase=settings.two_phase, slot_two_phase=slot_two_phase,
+        binary=settings.binary == "on" or auto_binary, messages=settings.messages,
+        origin=settings.origin)

@@ -194,15 +194,15 @@ class ReplicationStream:
         assert row is not None
         return row[0], int(row[1]), LSN.parse(row[2])
 
-    def start(self, start_lsn: LSN) -> None:
+    def start(self, start_lsn: LSN, *, wait_for_slot: bool = True) -> None:
         """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush).
 
-        A slot still "active" is retried for a while: after a lost connection the server may not
-        yet have noticed that our previous walsender is gone. A slot held by another consumer
-        for longer than that is a permanent error.
+        A slot still "active" is retried for a while (unless not ``wait_for_slot``): after a lost
+        connection the server may not yet have noticed that our previous walsender is gone. A
+        slot held by another consumer for longer than that is a permanent error.
         """
         self._ended = False
-        retrying = Retrying(retry=retry_if_exception(lambda e: isinstance(e, SourceError)
+        retrying = Retrying(retry=retry_if_exception(lambda e: wait_for_slot and isinstance(e, SourceError)
                                                      and e.sqlstate == "55006"),
                             stop=stop_after_delay(_SLOT_RELEASE_SECONDS), wait=wait_fixed(0.5),
                             reraise=True)

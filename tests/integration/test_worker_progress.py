@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
-from applier.progress import make_engine, upgrade_schema
+from applier.progress.store import make_engine, upgrade_schema
 from applier.progress.store import SCHEMA_HEAD
 
 pytestmark = pytest.mark.server

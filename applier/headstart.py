@@ -1,0 +1,98 @@
+"""``applier run``'s head start: the replication stream started before the worker is loaded.
+
+Loading the worker takes about a third of a second (SQLAlchemy and the apply stage, mostly), and
+on a backlog the source has work to do before its first message reaches us: a large transaction
+is decoded whole before its first change is sent, which takes the walsender seconds. So ``run``
+first does, with psycopg alone, what the worker's first session does to start its stream: read
+the target's encoding and the slot's recorded position (``progress.position``), look at the slot,
+resolve the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
+START_REPLICATION. Then it loads the worker, while the source decodes.
+
+Owns that one start. Must never read from the stream or confirm anything: the worker adopts the
+stream only after all of its own checks (bookkeeping schema, worker lock, slot, publications)
+and only if its first session would have started exactly this one (same position, options and
+encoding); otherwise the stream is closed. Any failure here just means no head start: the worker
+then meets the same problem itself and reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psycopg
+
+from .config import ConfigError, Settings
+from .progress.position import read_position
+from .protocol.lsn import LSN
+from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption, options_for
+from .source.slots import slot_info
+
+__all__ = ["HeadStart", "start_early"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HeadStart:
+    """A stream started early from ``start_lsn``, for a target in ``encoding``, until taken."""
+
+    stream: ReplicationStream | None
+    start_lsn: LSN
+    encoding: str
+    source_position: LSN  # the source's WAL flush position just before the stream started
+
+    def take(self, options: StreamOptions, start_lsn: LSN, encoding: str) -> ReplicationStream | None:
+        """The stream, if it is the one a session with these would start; else None (closed)."""
+        stream, self.stream = self.stream, None
+        if stream is None:
+            return None
+        if (stream.options, self.start_lsn, self.encoding) == (options, start_lsn, encoding):
+            return stream
+        log.info("the stream started while the worker loaded (from %s with %s) is not this "
+                 "session's (from %s with %s): starting another", self.start_lsn,
+                 stream.options.sql(), start_lsn, options.sql())
+        stream.close()
+        return None
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+def start_early(settings: Settings) -> HeadStart | None:
+    """START_REPLICATION as the worker's first session would; None when anything is in the way
+    (a setting missing, no bookkeeping schema yet, no slot, the slot in use, a server down)."""
+    try:
+        settings.require("source", "target", "slot", "publication")
+    except ConfigError:
+        return None
+    slot = settings.slot
+    stream: ReplicationStream | None = None
+    try:
+        with psycopg.connect(settings.target, autocommit=True,
+                             application_name=f"applier {slot} (start)") as target:
+            encoding = target.info.parameter_status("server_encoding") or "UTF8"
+            applied = read_position(target, slot)
+        with psycopg.connect(settings.source, autocommit=True,
+                             application_name="applier control") as control:
+            info = slot_info(control, slot)
+            version = control.info.server_version
+        if info is None or info.plugin != "pgoutput":
+            log.debug("no head start: slot %r is missing or not pgoutput", slot)
+            return None
+        options = options_for(settings, version, info.two_phase)
+        start_lsn = applied.end_lsn if applied is not None else LSN(0)
+        stream = ReplicationStream(settings.source, slot, options,
+                                   status_interval=settings.status_interval, client_encoding=encoding)
+        stream.connect()
+        source_position = stream.identify_system()[2]
+        stream.start(start_lsn, wait_for_slot=False)
+    except (psycopg.Error, SourceError, UnsupportedOption) as exc:
+        log.debug("no head start: %s", str(exc).strip())
+        if stream is not None:
+            stream.close()
+        return None
+    log.debug("stream started from %s before the worker loaded", start_lsn)
+    return HeadStart(stream, start_lsn, encoding, source_position)

@@ -66,7 +66,10 @@ Invariants (the tests kill the worker at random points to check them)
 2. The progress row commits in the same target transaction as the data it covers.
 3. The flush position told to the slot never passes a commit that is not durable on the target:
    it advances after COMMIT returned and, with ``synchronous_commit = off`` (the default), only
-   once the target reports its WAL flushed past that commit's position.
+   once the target reports its WAL flushed past that commit's position. (When the stream pauses
+   with nothing open, the worker does not wait for the target's WAL writer: it rewrites the
+   progress row in a transaction committed with synchronous_commit on, which flushes the WAL
+   through every earlier commit.)
    When no transaction is open or buffered, the position the server last said it had sent
    (keepalive WAL end) is confirmed too, so a slot of idle or filtered tables holds no WAL back.
 4. On start, everything at or below the recorded position is skipped; nothing above it is. The
@@ -459,19 +462,29 @@ class Worker:
         last_flush_check = 0.0
         while not self.stop_requested:
             # While the fast path holds uncommitted work, only take what has already arrived;
-            # the moment the stream pauses, commit it. Waiting for the target's WAL flush or (to
-            # exit when caught up) for a keepalive past the goal, look again soon: a keepalive
-            # asked for may still show the position before the goal. Past the goal already (a
-            # start with nothing to do), wait for nothing before checking the slot.
+            # the moment the stream pauses, commit it; likewise make commits still waiting for
+            # the target's WAL flush durable at once when nothing is open. Waiting for the WAL
+            # flush otherwise (a streamed transaction open) or (to exit when caught up) for a
+            # keepalive past the goal, look again soon: a keepalive asked for may still show the
+            # position before the goal. Past the goal already (a start with nothing to do), wait
+            # for nothing before checking the slot.
             past_goal = self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
             waiting = self._unflushed or (self.caught_up is not None and not past_goal)
-            batch = stream.read_batch(timeout=0 if applier.holds_uncommitted or past_goal
+            pause_settles = applier.holds_uncommitted or (self._unflushed and assembler.idle)
+            batch = stream.read_batch(timeout=0 if pause_settles or past_goal
                                       else 0.05 if waiting else 0.5)
             _feed(batch, assembler, lane, hand_back)
             # A streamed transaction may stay open on the source for as long as it likes: what
             # committed meanwhile is committed here the moment the stream pauses all the same.
             if not batch and applier.holds_uncommitted and assembler.between_transactions:
                 applier.flush(durable=True)
+            elif not batch and self._unflushed and assembler.idle:
+                # The stream paused after commits made with synchronous_commit off (a batch full
+                # before the pause): make them durable and confirm them now, instead of polling
+                # until the target's WAL writer has flushed them (up to three wal_writer_delay).
+                if applier.session.flush_wal(self.slot):
+                    stream.confirm(self._unflushed[-1][1])
+                    self._unflushed.clear()
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
                 self._confirm_flushed(stream, early.flushed_wal_lsn if early is not None
                                       else applier.session.flushed_wal_lsn)

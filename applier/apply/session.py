@@ -121,6 +121,19 @@ class TargetSession:
             raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
         return self._check(result, statement.sql)
 
+    def flush_wal(self, slot: str) -> bool:
+        """Make every commit that has returned durable now, rather than when the WAL writer gets
+        to it (synchronous_commit = off): the slot's progress row is written again, unchanged,
+        in a transaction committed with synchronous_commit on, so COMMIT returns once the WAL up
+        to its commit record, and so everything before it, is on disk. (A transaction that
+        writes no WAL commits without a flush.) False, and nothing flushed, without that row."""
+        self.sql("BEGIN")
+        self.sql("SET LOCAL synchronous_commit = on")
+        written = self.sql("UPDATE applier.progress SET applied_at = applied_at WHERE slot_name = $1",
+                           [slot.encode()]).command_tuples
+        self.sql("COMMIT")
+        return written == 1
+
     def flushed_wal_lsn(self) -> str:
         """The target's WAL position known durable on disk (for synchronous_commit = off)."""
         return self.sql("SELECT pg_catalog.pg_current_wal_flush_lsn()").get_value(0, 0).decode()

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
+from applier.apply.session import TargetSession
 from applier.progress.store import make_engine, upgrade_schema
 from applier.progress.store import SCHEMA_HEAD
+from applier.protocol.lsn import LSN
 
 pytestmark = pytest.mark.server
 
@@ -96,3 +98,34 @@ def test_authentication_failure_is_permanent_and_named(source_db, target_db) -> 
     assert proc.returncode == 1, proc.stderr
     assert 'role "no_such_role" does not exist' in proc.stderr
     assert "reconnecting" not in proc.stderr  # permanent: no retry loop
+
+
+def test_flush_wal_makes_asynchronous_commits_durable_at_once(target_db) -> None:
+    """What the worker does when the stream pauses after commits made with synchronous_commit
+    off: the progress row written again, unchanged, in a durable transaction, after which the
+    target's WAL is on disk past those commits. The WAL writer is told to wait 10 s here, so it
+    is not what flushed it."""
+    upgrade_schema(make_engine(target_db.dsn))
+    with target_db.connect() as admin:
+        admin.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        admin.execute("SELECT pg_reload_conf()")
+    session = TargetSession(target_db.dsn, "test flush_wal", synchronous_commit="off")
+    try:
+        assert not session.flush_wal("s")  # no progress row: nothing to write, nothing flushed
+        session.sql("BEGIN")
+        session.sql("CREATE TABLE public.flushed (id int)")
+        session.sql("INSERT INTO public.flushed SELECT generate_series(1, 10)")
+        session.sql("INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, applied_at) "
+                    "VALUES ('s', '0/10', '0/20', '2026-01-01')")
+        session.sql("COMMIT")
+        committed = LSN.parse(session.sql("SELECT pg_catalog.pg_current_wal_insert_lsn()").get_value(0, 0).decode())
+        assert LSN.parse(session.flushed_wal_lsn()) < committed
+        assert session.flush_wal("s")
+        assert LSN.parse(session.flushed_wal_lsn()) >= committed
+        assert target_db.query("SELECT commit_lsn::text, end_lsn::text, applied_at::date::text "
+                               "FROM applier.progress") == [("0/10", "0/20", "2026-01-01")]
+    finally:
+        session.close()
+        with target_db.connect() as admin:
+            admin.execute("ALTER SYSTEM RESET wal_writer_delay")
+            admin.execute("SELECT pg_reload_conf()")

@@ -253,7 +253,9 @@ class ReplicationStream:
         ``last_start`` is the WAL start of the last payload returned.
 
         Keepalives are consumed here; a keepalive that asks for a reply gets a status update at
-        once, and one is sent anyway when ``status_interval`` has passed.
+        once, and one is sent anyway when ``status_interval`` has passed. A keepalive before any
+        payload ends the wait at once (empty): its WAL end (``keepalive_wal_end``) may be what
+        the caller waits for, as the worker does to exit when caught up.
         """
         if self._ended:
             self._raise_stream_end()
@@ -276,6 +278,8 @@ class ReplicationStream:
                 if outcome == _OTHER:
                     assert frame is not None
                     self._other_frame(frame)
+                    if not batch:
+                        return batch
                     continue
                 if outcome == -2:
                     raise psycopg.OperationalError("receiving replication data failed: "

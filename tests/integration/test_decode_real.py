@@ -412,8 +412,12 @@ def test_the_c_frame_reader_takes_what_the_python_loop_takes(src: Source,
         batches: list[tuple[int, list[bytes]]] = []
         with src.open("frames", max(src.protocols)) as reader:
             stream = reader.stream
-            while batch := stream.read_batch(2.0, limit=7):
-                batches.append((stream.last_start, batch))
+            empty_reads = 0
+            while empty_reads < 2:  # a keepalive ends a read empty; then nothing comes for 1 s
+                batch = stream.read_batch(1.0, limit=7)
+                empty_reads = 0 if batch else empty_reads + 1
+                if batch:
+                    batches.append((stream.last_start, batch))
             # At least Begin, Insert, Commit each and a Relation; then Begin, 300 Updates, Commit.
             assert sum(len(b) for _, b in batches) >= 300 * 3 + 1 + 302
             return batches, stream.bytes_received
@@ -426,6 +430,20 @@ def test_the_c_frame_reader_takes_what_the_python_loop_takes(src: Source,
     frame_bytes = sum(len(payload) + 25 for _, b in c_batches for payload in b)  # with headers
     assert c_bytes >= frame_bytes and python_bytes >= frame_bytes  # keepalives come on top
     assert c_batches[-1][1][-1][:1] in (b"C", b"c")  # the update's Commit (or Stream Commit)
+
+
+def test_a_keepalive_ends_the_wait_for_payloads(src: Source) -> None:
+    """read_batch waits for payloads up to its timeout, but a keepalive that comes first ends
+    the wait, empty, with the server's WAL end noted: a worker to exit once caught up waits for
+    just that, and must not sit out the rest of its timeout."""
+    src.create_slot("idle")
+    with src.open("idle", max(src.protocols)) as reader:
+        stream = reader.stream
+        stream.send_status(reply_requested=True)
+        started = time.monotonic()
+        assert stream.read_batch(120.0) == []
+        assert time.monotonic() - started < 60
+        assert stream.keepalive_wal_end >= src.confirmed_flush("idle")
 
 
 # -- streamed transactions ---------------------------------------------------------------------

@@ -319,7 +319,8 @@ typedef struct {
     int whole;                   /* take whole transactions (else only changes of an open one) */
     int streamed;                /* the payloads come from a stream block: changes carry an xid */
     unsigned long long after;    /* take a Begin only with a final LSN above this */
-    Py_ssize_t part_room;        /* rows, then stop: a part is due */
+    Py_ssize_t part_room;        /* updated or deleted rows, then stop: a part is due */
+    Py_ssize_t insert_part_room; /* inserted rows, likewise */
     Py_ssize_t rows_room;        /* rows, then stop after the Commit: the batch is full */
     Py_ssize_t bytes_room;       /* bytes of values, likewise */
     /* the outcome of the last take() */
@@ -668,7 +669,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             self->reason = outcome == NO_RUN ? LANE_NO_RUN : LANE_FOREIGN;
             break;
         }
-        if (self->inserts + self->updates + self->deletes >= self->part_room
+        if (self->updates + self->deletes >= self->part_room || self->inserts >= self->insert_part_room
             || self->bytes >= self->bytes_room) {
             i++;
             self->reason = LANE_PART;
@@ -686,7 +687,8 @@ static PyMemberDef lane_members[] = {
     {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
     {"streamed", T_INT, offsetof(LaneObject, streamed), 0, "payloads of a stream block (with xid)"},
     {"after", T_ULONGLONG, offsetof(LaneObject, after), 0, "take a Begin only above this final LSN"},
-    {"part_room", T_PYSSIZET, offsetof(LaneObject, part_room), 0, "rows before a part is due"},
+    {"part_room", T_PYSSIZET, offsetof(LaneObject, part_room), 0, "updated or deleted rows before a part is due"},
+    {"insert_part_room", T_PYSSIZET, offsetof(LaneObject, insert_part_room), 0, "inserted rows before a part is due"},
     {"rows_room", T_PYSSIZET, offsetof(LaneObject, rows_room), 0, "rows before the batch is full"},
     {"bytes_room", T_PYSSIZET, offsetof(LaneObject, bytes_room), 0, "bytes before the batch is full"},
     {"reason", T_INT, offsetof(LaneObject, reason), READONLY, "why take() returned"},

@@ -137,6 +137,7 @@ class Batch:
         self.runs: dict[int, Run | KeyRun] = {}
         self._open: dict[int, _Op] = {}
         self.rows = 0
+        self.inserts = 0  # of ``rows``: parts are cut by inserts and by other rows apart
         self.bytes = 0
 
     def __bool__(self) -> bool:
@@ -146,7 +147,7 @@ class Batch:
         self._ops.clear()
         self._last.clear()
         self._close_every_run()
-        self.rows = self.bytes = 0
+        self.rows = self.inserts = self.bytes = 0
 
     def forget(self, relation_id: int) -> None:
         """A relation's definition changed: drop what was derived from the old one."""
@@ -196,6 +197,7 @@ class Batch:
 
     def insert(self, mapping: RelationMapping, new: TupleData) -> None:
         self._count(new)
+        self.inserts += 1
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
             if op is not None and op.kind == _COPY:

@@ -75,7 +75,7 @@ class Lane:
             if room is None:
                 return index
             lane.whole = whole
-            lane.after, lane.part_room, lane.rows_room, lane.bytes_room = room
+            lane.after, lane.part_room, lane.insert_part_room, lane.rows_room, lane.bytes_room = room
             index = lane.take(payloads, index)
             last = None
             if lane.transactions:

@@ -114,8 +114,9 @@ def test_row_and_byte_counts_bound_the_batch() -> None:
     batch.insert(mapping, _row(b"1", b"abc", None))
     batch.update(mapping, _row(b"1", b"abcd", UNCHANGED_TOAST), None)
     assert batch.rows == 2 and batch.bytes == (1 + 3) + (1 + 4)
+    assert batch.inserts == 1  # parts are due by inserted rows and by the others apart
     batch.clear()
-    assert not batch and batch.rows == 0
+    assert not batch and batch.rows == 0 and batch.inserts == 0
 
 
 def test_changes_of_independent_tables_are_gathered_per_table() -> None:

@@ -27,11 +27,11 @@ END, FOREIGN, NO_RUN, PART, LIMIT = 0, 1, 2, 3, 4
 BIG = 1 << 40
 
 
-def _make_lane(runs: dict, *, whole: bool = True, after: int = 0, part: int = BIG, rows: int = BIG,
-          size: int = BIG, streamed: bool = False):
+def _make_lane(runs: dict, *, whole: bool = True, after: int = 0, part: int = BIG, insert_part: int = BIG,
+               rows: int = BIG, size: int = BIG, streamed: bool = False):
     lane = _lane.Lane(runs)
     lane.whole, lane.after, lane.streamed = whole, after, streamed
-    lane.part_room, lane.rows_room, lane.bytes_room = part, rows, size
+    lane.part_room, lane.insert_part_room, lane.rows_room, lane.bytes_room = part, insert_part, rows, size
     return lane
 
 
@@ -134,8 +134,10 @@ def test_anything_but_a_well_formed_text_insert_of_the_run_is_left_untouched(pay
 
 def test_a_due_part_stops_right_after_the_insert() -> None:
     payloads = _txn(0x100, 500, *(pg.insert(7, [b"%d" % i]) for i in range(5)))
-    lane = _make_lane({7: _run(1)}, part=2)
+    lane = _make_lane({7: _run(1)}, insert_part=2)
     assert lane.take(payloads, 0) == 3 and (lane.reason, lane.inserts, lane.begin) == (PART, 2, payloads[0])
+    lane = _make_lane({7: _run(1)}, part=2)  # the room for updated and deleted rows: not inserts
+    assert lane.take(payloads, 0) == len(payloads) and (lane.reason, lane.inserts) == (END, 5)
 
 
 def test_a_full_batch_stops_right_after_the_commit() -> None:
@@ -182,6 +184,14 @@ def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None
     assert (len(run), run.changes) == (2, 3)  # the second update of key 1 replaced the first
     assert run.params(0, 2) == [b"1", b"c", b"y", b"1", b"2", b"b", b"x", b"2"]  # columns, then key
     assert run.params(1, 2) == [b"2", b"b", b"x", b"2"]
+
+
+def test_updated_and_deleted_rows_make_a_part_due_by_their_own_room() -> None:
+    payloads = _txn(0x100, 500, *(pg.update(7, [b"%d" % i, b"v", None]) for i in range(5)))
+    lane = _make_lane({7: _key_run(3, (0,))}, part=2)
+    assert lane.take(payloads, 0) == 3 and (lane.reason, lane.updates) == (PART, 2)
+    lane = _make_lane({7: _key_run(3, (0,))}, insert_part=2)  # the room for inserted rows only
+    assert lane.take(payloads, 0) == len(payloads) and (lane.reason, lane.updates) == (END, 5)
 
 
 @pytest.mark.parametrize("payload", [

@@ -210,6 +210,9 @@ class Worker:
         # synchronous_commit = off: (target WAL position, source end LSN) of commits that are not
         # known to be on the target's disk yet, oldest first.
         self._unflushed: deque[tuple[LSN, LSN]] = deque()
+        # The last of those that a durable rewrite of the progress row could not flush (no row to
+        # rewrite: removed by hand?): they are left to the WAL writer, as before every pause.
+        self._rewrite_failed_for: LSN | None = None
         self._failures_without_progress = 0
         self._progressed = False
         self._stopping = threading.Event()
@@ -470,7 +473,9 @@ class Worker:
             # for nothing before checking the slot.
             past_goal = self.caught_up is not None and stream.flush_lsn >= self.caught_up.goal
             waiting = self._unflushed or (self.caught_up is not None and not past_goal)
-            pause_settles = applier.holds_uncommitted or (self._unflushed and assembler.idle)
+            flush_at_pause = (self._unflushed and assembler.idle
+                              and self._unflushed[-1][1] != self._rewrite_failed_for)
+            pause_settles = applier.holds_uncommitted or flush_at_pause
             batch = stream.read_batch(timeout=0 if pause_settles or past_goal
                                       else 0.05 if waiting else 0.5)
             _feed(batch, assembler, lane, hand_back)
@@ -478,13 +483,15 @@ class Worker:
             # committed meanwhile is committed here the moment the stream pauses all the same.
             if not batch and applier.holds_uncommitted and assembler.between_transactions:
                 applier.flush(durable=True)
-            elif not batch and self._unflushed and assembler.idle:
+            elif not batch and flush_at_pause:
                 # The stream paused after commits made with synchronous_commit off (a batch full
                 # before the pause): make them durable and confirm them now, instead of polling
                 # until the target's WAL writer has flushed them (up to three wal_writer_delay).
                 if applier.session.flush_wal(self.slot):
                     stream.confirm(self._unflushed[-1][1])
                     self._unflushed.clear()
+                else:
+                    self._rewrite_failed_for = self._unflushed[-1][1]
             if self._unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
                 self._confirm_flushed(stream, early.flushed_wal_lsn if early is not None
                                       else applier.session.flushed_wal_lsn)

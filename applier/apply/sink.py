@@ -637,9 +637,10 @@ class TargetApplier:
     def lane_room(self, whole: bool) -> tuple[LSN, int, int, int, int] | None:
         """May the lane take payloads now, and how far: None, or (take only transactions
         committing after this LSN, updated or deleted rows and inserted rows until a part is
-        due, rows and bytes until the batch is full). ``whole``: it would take whole transactions (the batch's target transaction must
-        be open and nothing may decide otherwise about a transaction at its begin); else inserts
-        of the open one, which must be on the fast path undiverted."""
+        due, rows and bytes until the batch is full). ``whole``: it would take whole transactions
+        (the batch's target transaction must be open and nothing may decide otherwise about a
+        transaction at its begin); else the changes of the open one, which must be on the fast
+        path undiverted."""
         limits = self.limits
         if limits is None or (self.sync_filter is not None and self.sync_filter.active):
             return None

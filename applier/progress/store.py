@@ -13,7 +13,8 @@ from sqlalchemy.pool import NullPool
 from ..apply.session import TargetError
 from ..source.stream import is_permanent
 
-__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "upgrade_schema", "MIGRATIONS_DIR", "SCHEMA_HEAD"]
+__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "upgrade_schema",
+           "MIGRATIONS_DIR", "SCHEMA_HEAD"]
 
 #: The newest migration's revision (a unit test holds it to alembic's own head). A schema already
 #: there needs no alembic at all, which saves loading it (a third of a second) at every start.

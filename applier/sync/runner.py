@@ -22,7 +22,7 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ..config import Settings, mask_dsn
-from ..progress import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
+from ..progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
 from ..source import SourceError
 from ..source.slots import publications_missing, slot_info
 from ..worker import run

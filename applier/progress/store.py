@@ -100,7 +100,7 @@ class WorkerLock:
 
     def acquire(self) -> None:
         conn = psycopg.connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
-        key = zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4
+        key = self._key()
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, key)).fetchone()
         if not got or not got[0]:
             holder = conn.execute(
@@ -116,5 +116,14 @@ class WorkerLock:
 
     def release(self) -> None:
         if self._conn is not None:
+            # Unlocked before closing: the server ends a closed session a moment later, and a
+            # worker taking over at once (applier sync hands over to it) would find it still held.
+            try:
+                self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (_LOCK_NAMESPACE, self._key()))
+            except psycopg.Error:
+                pass  # a connection already lost holds no lock
             self._conn.close()
             self._conn = None
+
+    def _key(self) -> int:
+        return zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4

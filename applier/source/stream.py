@@ -242,8 +242,13 @@ class ReplicationStream:
     # -- stream -------------------------------------------------------------------------------
     def read(self, timeout: float) -> XLogData | None:
         """Next XLogData, or None after ``timeout`` seconds without one (``read_batch`` of one)."""
-        batch = self.read_batch(timeout, limit=1)
-        return XLogData(LSN(self.last_start), batch[0]) if batch else None
+        deadline = time.monotonic() + timeout
+        while True:  # a keepalive ends a read_batch early; wait on for data until the deadline
+            batch = self.read_batch(max(deadline - time.monotonic(), 0.0), limit=1)
+            if batch:
+                return XLogData(LSN(self.last_start), batch[0])
+            if time.monotonic() >= deadline:
+                return None
 
     def read_batch(self, timeout: float, limit: int = READ_BATCH) -> list[bytes]:
         """The XLogData payloads that have arrived: waits up to ``timeout`` seconds for the first,

@@ -11,7 +11,7 @@ import pytest
 from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
 from applier.apply.session import TargetSession
-from applier.progress.store import make_engine, upgrade_schema
+from applier.progress.store import WorkerLock, make_engine, upgrade_schema
 from applier.progress.store import SCHEMA_HEAD
 from applier.protocol.lsn import LSN
 
@@ -129,3 +129,13 @@ def test_flush_wal_makes_asynchronous_commits_durable_at_once(target_db) -> None
         with target_db.connect() as admin:
             admin.execute("ALTER SYSTEM RESET wal_writer_delay")
             admin.execute("SELECT pg_reload_conf()")
+
+
+def test_a_released_worker_lock_is_free_at_once(target_db) -> None:
+    """applier sync hands over to the worker in the same process right after releasing the lock
+    for the slot: the release must not depend on the server noticing a closed connection."""
+    for _ in range(20):
+        lock = WorkerLock(target_db.dsn, "s")
+        lock.acquire()
+        lock.release()
+    assert target_db.query("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]

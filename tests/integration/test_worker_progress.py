@@ -138,4 +138,5 @@ def test_a_released_worker_lock_is_free_at_once(target_db) -> None:
         lock = WorkerLock(target_db.dsn, "s")
         lock.acquire()
         lock.release()
-    assert target_db.query("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'") == [(0,)]
+    assert target_db.query("SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database "
+                           "WHERE l.locktype = 'advisory' AND d.datname = current_database()") == [(0,)]

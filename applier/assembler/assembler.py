@@ -16,6 +16,7 @@ must ``close()`` and restart replication from the server, which resends the tran
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice, repeat
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,24 @@ __all__ = ["Assembler", "deliver"]
 
 #: Row change payloads by their first byte (the message type).
 _ROW_CHANGES = {ord("I"): Insert.type_name, ord("U"): Update.type_name, ord("D"): Delete.type_name}
+
+
+def _change_prefixes(*xids: int) -> tuple[bytes, ...]:
+    """How an Insert, Update or Delete payload of each of ``xids`` begins (type, then xid)."""
+    return tuple(bytes((kind,)) + xid.to_bytes(4, "big") for xid in dict.fromkeys(xids)
+                 for kind in _ROW_CHANGES)
+
+
+def _run_end(payloads: list[bytes], start: int, prefixes: tuple[bytes, ...]) -> int:
+    """The index of the first payload from ``start`` on that begins with none of ``prefixes``
+    (``len(payloads)`` if every one does), without a Python step per payload."""
+    begins = list(map(bytes.startswith, islice(payloads, start, None), repeat(prefixes)))
+    try:
+        return start + begins.index(False)
+    except ValueError:
+        return len(payloads)
+
+
 #: Replayed changes of a streamed transaction are offered to the sink this many at a time.
 REPLAY_CHUNK = 256
 #: How many replayed changes of a streamed transaction pass between two heartbeat calls (a
@@ -151,7 +170,13 @@ class Assembler:
         subxids, xid = self._early_subxids, block.xid
         passed = index = start
         count = len(payloads)
+        prefixes = _change_prefixes(xid)
         while index < count:
+            # Most payloads continue the run of the (sub)transaction before them: find where the
+            # run ends in one pass of C, and look at that payload alone.
+            index = _run_end(payloads, index, prefixes)
+            if index == count:
+                break
             raw = payloads[index]
             if raw[0] not in _ROW_CHANGES or len(raw) < 5:
                 break
@@ -164,6 +189,7 @@ class Assembler:
                     raise self._no_xid(block, subxid, _ROW_CHANGES[raw[0]])
                 subxids.add(subxid)
                 early.subtransaction(subxid)
+            prefixes = _change_prefixes(xid, subxid)
             index += 1
         if index > passed and not early.changes(payloads, passed, index):
             return self._decline_early(payloads, passed)

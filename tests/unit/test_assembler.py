@@ -537,6 +537,23 @@ def test_an_early_transaction_gets_its_records_as_they_stream_cut_at_subtransact
     assert sink.calls == [] and asm.idle and spill_files(spill_dir) == []
 
 
+def test_an_early_transaction_is_cut_only_where_a_subtransaction_first_appears(
+        sink: RecordingSink, spill_dir: Path) -> None:
+    early = RecordingEarly()
+    asm = Assembler(sink, memory_budget=BUDGET, spill_dir=spill_dir, early=early)
+    feed(asm, stream_start(70, first=True), relation(1, "t", xid=70))
+    # Back and forth between the top level and subtransactions already seen: one run.
+    block = [insert(1, b"a", xid=70), insert(1, b"b", xid=71), insert(1, b"c", xid=72),
+             update(1, b"d", xid=71), delete(1, b"e", xid=70), insert(1, b"f", xid=72),
+             insert(1, b"g", xid=73), stream_stop()]
+    assert asm.buffer_changes(block, 0) == 7
+    assert asm.buffer_changes(block, 7) == 7  # a Stream Stop is no row change
+    assert early.calls == [
+        ("open", 70), ("schema", "Relation"), ("changes", (b"a",)), ("subtransaction", 71),
+        ("changes", (b"b",)), ("subtransaction", 72), ("changes", (b"c", b"d", b"e", b"f")),
+        ("subtransaction", 73), ("changes", (b"g",))]
+
+
 def test_a_declined_early_transaction_is_buffered_from_there_and_delivered_at_its_commit(
         sink: RecordingSink, spill_dir: Path) -> None:
     early, fed = RecordingEarly(take=False), RecordingSink()

@@ -175,7 +175,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", "Stop after this many seconds without a new message.", kind="int",
            default=5, commands=("peek",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
-           "spills to --spill-dir. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
+           "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
+           "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
     Option("streamed_apply", "When a streamed (large, still running) source transaction is "
            "applied. early: as it streams, in a second target session, committed at its Stream "
            "Commit (one such transaction at a time; one that holds a logical message or an "

@@ -6,9 +6,11 @@ is decoded whole before its first change is sent, which takes the walsender seco
 first does, with psycopg alone, what the worker's first session does to start its stream: read
 the target's encoding and the slot's recorded position (``progress.position``), look at the slot,
 resolve the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
-START_REPLICATION. Then it loads the worker, while the source decodes.
+START_REPLICATION. Then it loads the worker, while the source decodes; a thread receives what the
+source sends into libpq's buffer meanwhile (up to a quarter of ``--memory-budget``), so that a backlog of
+many small transactions, which fills the socket at once, does not keep the walsender waiting.
 
-Owns that one start. Must never read from the stream or confirm anything: the worker adopts the
+Owns that one start. Must never parse the stream or confirm anything: the worker adopts the
 stream only after all of its own checks (bookkeeping schema, worker lock, slot, publications)
 and only if its first session would have started exactly this one (same position, options and
 encoding); otherwise the stream is closed. Any failure here just means no head start: the worker
@@ -18,7 +20,9 @@ then meets the same problem itself and reports it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import os
+import threading
+from dataclasses import dataclass, field
 
 import psycopg
 
@@ -41,9 +45,39 @@ class HeadStart:
     start_lsn: LSN
     encoding: str
     source_position: LSN  # the source's WAL flush position just before the stream started
+    received_ahead: int = 0  # bytes the read-ahead thread received
+    _reader: threading.Thread | None = field(default=None, repr=False)
+    _wake: tuple[int, int] | None = field(default=None, repr=False)
+
+    def read_ahead(self, budget: int) -> None:
+        """Receive up to ``budget`` bytes into libpq's buffer in a thread until taken: many small
+        transactions fill the socket long before the worker has loaded, and the walsender would
+        wait on it. (libpq keeps its buffer at the size it grew to until the stream is closed.)"""
+        assert self.stream is not None
+        self._wake = os.pipe()
+        self._reader = threading.Thread(target=self._receive, name="applier read-ahead",
+                                        args=(self.stream, budget, self._wake[0]), daemon=True)
+        self._reader.start()
+
+    def _receive(self, stream: ReplicationStream, budget: int, wake_fd: int) -> None:
+        self.received_ahead = stream.receive_ahead(budget, wake_fd)
+
+    @property
+    def reading_ahead(self) -> bool:
+        return self._reader is not None and self._reader.is_alive()
+
+    def _stop_reading(self) -> None:
+        if self._reader is not None and self._wake is not None:
+            os.write(self._wake[1], b"x")
+            self._reader.join()
+            for fd in self._wake:
+                os.close(fd)
+            self._reader = self._wake = None
+            log.debug("received %d bytes ahead while the worker loaded", self.received_ahead)
 
     def take(self, options: StreamOptions, start_lsn: LSN, encoding: str) -> ReplicationStream | None:
         """The stream, if it is the one a session with these would start; else None (closed)."""
+        self._stop_reading()
         stream, self.stream = self.stream, None
         if stream is None:
             return None
@@ -56,6 +90,7 @@ class HeadStart:
         return None
 
     def close(self) -> None:
+        self._stop_reading()
         if self.stream is not None:
             self.stream.close()
             self.stream = None
@@ -95,4 +130,6 @@ def start_early(settings: Settings) -> HeadStart | None:
             stream.close()
         return None
     log.debug("stream started from %s before the worker loaded", start_lsn)
-    return HeadStart(stream, start_lsn, encoding, source_position)
+    head_start = HeadStart(stream, start_lsn, encoding, source_position)
+    head_start.read_ahead(settings.memory_budget // 4)
+    return head_start

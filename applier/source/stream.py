@@ -10,9 +10,11 @@ Must never decode pgoutput (that is the protocol stage) or guess durability.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import select
 import struct
+import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,6 +46,8 @@ PROGRESS_REPORT_INTERVAL = 1.0
 #: run between batches).
 READ_BATCH = 256
 _XLOGDATA_HEADER = 25
+#: Seconds ``receive_ahead`` waits after each read (the socket holds far more than arrives meanwhile).
+_READ_AHEAD_PAUSE = 0.005
 #: How a frame taker stopped, besides PQgetCopyData's 0 (nothing complete held), -1 (the stream
 #: ended) and -2 (an error): the batch is full; a frame other than XLogData (handed back).
 _LIMIT, _OTHER = 1, 2
@@ -311,6 +315,33 @@ class ReplicationStream:
             self.bytes_received += received
             if batch:
                 self._received(self.last_start)
+
+    def receive_ahead(self, budget: int, wake_fd: int) -> int:
+        """Read what the server sends into libpq's input buffer, unparsed, until ``budget``
+        bytes have come or ``wake_fd`` is readable; the bytes read. For a thread other than the
+        one that reads the stream (which must wait for it to return): while the worker loads,
+        the walsender keeps sending instead of waiting on a full socket. An error ends it
+        quietly: the next ``read_batch`` meets it."""
+        pgconn = self.connection.pgconn
+        sock = pgconn.socket
+        received = 0
+        waiting = bytearray(4)
+        while received < budget:
+            readable, _, _ = select.select([sock, wake_fd], [], [])
+            if wake_fd in readable:
+                break
+            fcntl.ioctl(sock, termios.FIONREAD, waiting)
+            if not any(waiting):  # readable and empty: the connection is closing
+                break
+            try:
+                pgconn.consume_input()
+            except psycopg.OperationalError:
+                break
+            received += int.from_bytes(waiting, "little")
+            # Take the socket's contents in a few large reads rather than message by message:
+            # each wake-up costs this process CPU and the GIL that the loading thread needs.
+            time.sleep(_READ_AHEAD_PAUSE)
+        return received
 
     def _take_frames(self, pgconn: pq.abc.PGconn) -> _TakeFrames:
         """The frame taker for this connection: the C reader when it is built and bound to

@@ -87,3 +87,35 @@ def test_anything_in_the_way_means_no_head_start(source_db, target_db) -> None:
         assert start_early(_settings(source_db, target_db)) is None
     finally:
         holder.close()
+
+
+def test_the_stream_is_received_ahead_within_a_quarter_of_the_memory_budget(source_db, target_db,
+                                                                           caplog) -> None:
+    """While the worker loads, a thread receives what the source sends into libpq's buffer (the
+    walsender need not wait on a full socket); it stops at a quarter of --memory-budget, and the
+    worker then applies every transaction from that buffer and the rest of the stream."""
+    replicated_table(source_db, target_db)
+    run_worker(source_db, target_db)
+    # 5,000 single-row transactions: about a megabyte of stream, four times the read-ahead.
+    source_db.execute("DO $$ BEGIN FOR i IN 1..5000 LOOP INSERT INTO t VALUES (i); COMMIT; "
+                      "END LOOP; END $$")
+    settings = _settings(source_db, target_db, memory_budget=1024 * 1024)
+    head_start = start_early(settings)
+    assert head_start is not None
+    wait_for(lambda: not head_start.reading_ahead, timeout=30, what="the read-ahead to reach its budget")
+    assert head_start.received_ahead >= 256 * 1024
+    caplog.set_level(logging.INFO, logger="applier")
+    assert Worker(settings, head_start).run() == 0
+    assert TAKEN in caplog.text
+    assert "this session applied 5000 transaction(s): 5000 insert" in caplog.text
+    assert_same_rows(source_db, target_db, "t")
+
+
+def test_taking_the_stream_stops_the_read_ahead(source_db, target_db) -> None:
+    replicated_table(source_db, target_db)
+    run_worker(source_db, target_db)
+    head_start = start_early(_settings(source_db, target_db))
+    assert head_start is not None and head_start.reading_ahead  # no backlog: it waits (keepalives)
+    head_start.close()
+    assert not head_start.reading_ahead and head_start.stream is None
+    wait_for(lambda: not _slot_active(source_db), timeout=30, what="the early stream's walsender to end")

@@ -1,9 +1,9 @@
 """Telemetry of a running worker: Prometheus metrics, ``/healthz``, ``/readyz``, log context.
 
-Owns one small HTTP server thread (``--metrics-port``) and one probe thread. Metrics are read
-from the worker's own objects at scrape time by a custom collector (the applier's counters, the
-stream's positions and byte count, the assembler's memory and spill figures), so the replication
-hot path does no extra work; counters of ended sessions are folded into running totals so they
+Owns one small HTTP server thread (``--metrics-port``; served by ``exposition``, loaded only
+then) and one probe thread. Metrics are read from the worker's own objects at scrape time by a
+custom collector (the applier's counters, the stream's positions and byte count, the assembler's
+memory and spill figures), so the replication hot path does no extra work; counters of ended sessions are folded into running totals so they
 never go backwards. The probe thread, every status interval, times one small query on each
 server over its own connections (round-trip times) and reads the source's WAL position and the
 target's progress row (lag). Must never touch the replication connection, the target session or
@@ -16,15 +16,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, exposition
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from sqlalchemy import Connection
 
 from ..apply.sink import TargetApplier
@@ -37,6 +32,9 @@ from .lag import Lag, LagLimit, measure_lag, parse_lag_limit
 from .logs import set_log_context
 from .status import done_position, read_progress, source_wal_position
 
+if TYPE_CHECKING:
+    from http.server import ThreadingHTTPServer
+
 __all__ = ["Telemetry"]
 
 log = logging.getLogger(__name__)
@@ -46,7 +44,7 @@ ROW_KINDS = ("insert", "update", "delete", "truncate")
 
 
 @dataclass
-class _Probe:
+class Probe:
     """The latest probe results; replaced whole, so readers never see half an update."""
 
     at: float                       # time.monotonic() of the probe
@@ -81,13 +79,11 @@ class Telemetry:
         self._sessions = 0
         self._last_lsn: LSN | None = None
         self._last_xid: int | None = None
-        self._probe: _Probe | None = None
+        self._probe: Probe | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_WorkerCollector(self))
 
     @classmethod
     def from_settings(cls, settings: Settings, slot: str) -> Telemetry:
@@ -104,8 +100,9 @@ class Telemetry:
         set_log_context(self.log_fields)
         if self.port is None:
             return
+        from .exposition import serve  # prometheus_client and http.server: only with a port
         try:
-            self._server = ThreadingHTTPServer((self.address, self.port), _handler(self))
+            self._server = serve(self, self.address, self.port)
         except OSError as exc:
             raise ConfigError(f"metrics_port: cannot listen on {self.address}:{self.port}: "
                               f"{exc.strerror or exc}") from None
@@ -217,7 +214,7 @@ class Telemetry:
                     target = make_engine(self._target_dsn).connect()
                 self._probe = self._probe_once(source, target)
             except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
-                self._probe = _Probe(time.monotonic(), None, None, None, None,
+                self._probe = Probe(time.monotonic(), None, None, None, None,
                                      mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
                 for conn in (source, target):
                     if conn is not None:
@@ -231,7 +228,7 @@ class Telemetry:
             if conn is not None:
                 conn.close()
 
-    def _probe_once(self, source: Connection, target: Connection) -> _Probe:
+    def _probe_once(self, source: Connection, target: Connection) -> Probe:
         started = time.perf_counter()
         _, source_lsn = source_wal_position(source)
         source.rollback()  # end the implicit transaction: the next probe sees new WAL
@@ -243,7 +240,7 @@ class Telemetry:
         stream = self._stream
         lag = measure_lag(source_lsn, done_position(progress, stream.flush_lsn if stream else None),
                           progress.commit_time if progress else None, datetime.now(timezone.utc))
-        return _Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
+        return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
 
 
 def _retry(read):  # noqa: ANN001, ANN202 - a no-argument reader of worker state
@@ -259,99 +256,3 @@ def _retry(read):  # noqa: ANN001, ANN202 - a no-argument reader of worker state
 def _describe(lag: Lag) -> str:
     seconds = "unknown" if lag.seconds is None else f"{lag.seconds:.1f}s"
     return f"{lag.bytes} bytes / {seconds}"
-
-
-class _WorkerCollector(Collector):
-    """Builds the metric families from ``Telemetry.snapshot()`` at each scrape."""
-
-    def __init__(self, telemetry: Telemetry) -> None:
-        self.telemetry = telemetry
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self.telemetry.snapshot()
-        slot = self.telemetry.slot
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=["slot"])
-            family.add_metric([slot], value)
-            return family
-
-        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=["slot"])
-            if value is not None:
-                family.add_metric([slot], value)
-            return family
-
-        applied = snap["applied"]
-        yield counter("applier_transactions_applied", "Source transactions committed on the target.",
-                      applied["transactions"])
-        yield counter("applier_streamed_applied_early", "Streamed transactions applied as they "
-                      "streamed, in the second target session (--streamed-apply early).",
-                      applied["streamed_early"])
-        rows = CounterMetricFamily("applier_rows_applied", "Row changes applied, by type "
-                                   "(truncate counts statements).", labels=["slot", "type"])
-        for kind in ROW_KINDS:
-            rows.add_metric([slot, kind], applied[kind])
-        yield rows
-        conflicts = CounterMetricFamily("applier_conflicts", "Conflicts resolved while applying, "
-                                        "by table and type.", labels=["slot", "table", "type"])
-        for (table, kind), count in sorted(snap["conflicts"].items()):
-            conflicts.add_metric([slot, table, kind], count)
-        yield conflicts
-        yield counter("applier_received_bytes", "Bytes received on the replication connection.",
-                      snap["bytes_received"])
-        yield counter("applier_reconnects", "Replication sessions started after the first one.",
-                      snap["reconnects"])
-        yield gauge("applier_connected", "1 while streaming from the source.", int(snap["connected"]))
-        yield gauge("applier_received_lsn", "Highest source WAL position received.",
-                    snap["received_lsn"])
-        yield gauge("applier_confirmed_lsn", "Source WAL position confirmed to the slot (durable "
-                    "on the target).", snap["confirmed_lsn"])
-        yield gauge("applier_open_streamed_transactions", "Streamed transactions received and not "
-                    "yet committed or aborted.", snap["open_streamed"])
-        yield gauge("applier_streamed_memory_bytes", "Memory held by open streamed transactions.",
-                    snap["memory_bytes"])
-        yield gauge("applier_spilled_bytes", "Bytes of open streamed transactions spilled to disk.",
-                    snap["spilled_bytes"])
-        probe: _Probe | None = snap["probe"]
-        ok = probe is not None and probe.error is None
-        yield gauge("applier_apply_lag_bytes", "Source WAL not yet applied or confirmed.",
-                    probe.lag.bytes if ok and probe.lag else None)
-        yield gauge("applier_apply_lag_seconds", "Upper bound on how far the replica is behind "
-                    "in time (0 when caught up).",
-                    probe.lag.seconds if ok and probe.lag else None)
-        yield gauge("applier_source_rtt_seconds", "Round-trip time of a small query on the source.",
-                    probe.source_rtt if ok else None)
-        yield gauge("applier_target_rtt_seconds", "Round-trip time of a small query on the target.",
-                    probe.target_rtt if ok else None)
-        yield gauge("applier_probe_ok", "1 when the last probe reached both servers.", int(ok))
-
-
-def _handler(telemetry: Telemetry) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body = exposition.generate_latest(telemetry.registry)
-                self._reply(200, body, exposition.CONTENT_TYPE_LATEST)
-            elif path == "/healthz":
-                # Live = the process answers. A worker waiting to reconnect is live too: restarting
-                # it would not help, and /readyz says it is not streaming.
-                self._reply(200, b"ok\n")
-            elif path == "/readyz":
-                ready, reason = telemetry.readiness()
-                self._reply(200 if ready else 503, f"{reason}\n".encode())
-            else:
-                self._reply(404, b"not found: try /metrics, /healthz or /readyz\n")
-
-        def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
-            return
-
-    return Handler

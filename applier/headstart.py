@@ -7,8 +7,9 @@ first does, with psycopg alone, what the worker's first session does to start it
 the target's encoding and the slot's recorded position (``progress.position``), look at the slot,
 resolve the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
 START_REPLICATION. Then it loads the worker, while the source decodes; a thread receives what the
-source sends into libpq's buffer meanwhile (up to a quarter of ``--memory-budget``), so that a backlog of
-many small transactions, which fills the socket at once, does not keep the walsender waiting.
+source sends into libpq's buffer meanwhile (up to a quarter of ``--memory-budget``), so that a
+backlog of many small transactions, which fills the socket at once, does not keep the walsender
+waiting.
 
 Owns that one start. Must never parse the stream or confirm anything: the worker adopts the
 stream only after all of its own checks (bookkeeping schema, worker lock, slot, publications)

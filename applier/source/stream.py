@@ -14,6 +14,7 @@ import fcntl
 import logging
 import select
 import struct
+import sys
 import termios
 import time
 from collections.abc import Callable
@@ -337,7 +338,7 @@ class ReplicationStream:
                 pgconn.consume_input()
             except psycopg.OperationalError:
                 break
-            received += int.from_bytes(waiting, "little")
+            received += int.from_bytes(waiting, sys.byteorder)
             # Take the socket's contents in a few large reads rather than message by message:
             # each wake-up costs this process CPU and the GIL that the loading thread needs.
             time.sleep(_READ_AHEAD_PAUSE)

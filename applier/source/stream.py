@@ -324,24 +324,24 @@ class ReplicationStream:
         the walsender keeps sending instead of waiting on a full socket. An error ends it
         quietly: the next ``read_batch`` meets it."""
         pgconn = self.connection.pgconn
-        sock = pgconn.socket
         received = 0
         waiting = bytearray(4)
-        while received < budget:
-            readable, _, _ = select.select([sock, wake_fd], [], [])
-            if wake_fd in readable:
-                break
-            fcntl.ioctl(sock, termios.FIONREAD, waiting)
-            if not any(waiting):  # readable and empty: the connection is closing
-                break
-            try:
+        try:
+            sock = pgconn.socket
+            while received < budget:
+                readable, _, _ = select.select([sock, wake_fd], [], [])
+                if wake_fd in readable:
+                    break
+                fcntl.ioctl(sock, termios.FIONREAD, waiting)
+                if not any(waiting):  # readable and empty: the connection is closing
+                    break
                 pgconn.consume_input()
-            except psycopg.OperationalError:
-                break
-            received += int.from_bytes(waiting, sys.byteorder)
-            # Take the socket's contents in a few large reads rather than message by message:
-            # each wake-up costs this process CPU and the GIL that the loading thread needs.
-            time.sleep(_READ_AHEAD_PAUSE)
+                received += int.from_bytes(waiting, sys.byteorder)
+                # Take the socket's contents in a few large reads rather than message by
+                # message: each wake-up costs CPU and the GIL that the loading thread needs.
+                time.sleep(_READ_AHEAD_PAUSE)
+        except (OSError, psycopg.Error):
+            pass
         return received
 
     def _take_frames(self, pgconn: pq.abc.PGconn) -> _TakeFrames:

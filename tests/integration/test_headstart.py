@@ -119,3 +119,18 @@ def test_taking_the_stream_stops_the_read_ahead(source_db, target_db) -> None:
     head_start.close()
     assert not head_start.reading_ahead and head_start.stream is None
     wait_for(lambda: not _slot_active(source_db), timeout=30, what="the early stream's walsender to end")
+
+
+def test_a_stream_lost_while_read_ahead_is_started_again_by_the_worker(source_db, target_db) -> None:
+    replicated_table(source_db, target_db)
+    run_worker(source_db, target_db)
+    source_db.execute("INSERT INTO t SELECT generate_series(1, 500)")
+    settings = _settings(source_db, target_db)
+    head_start = start_early(settings)
+    assert head_start is not None
+    source_db.execute("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                      "WHERE slot_name = 's'")
+    wait_for(lambda: not head_start.reading_ahead, timeout=30, what="the read-ahead to end")
+    # The worker takes the dead stream, fails to read it, and starts another session.
+    assert Worker(settings, head_start).run() == 0
+    assert_same_rows(source_db, target_db, "t")

@@ -134,7 +134,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from .apply.extensions import Extensions, setup_extensions
 from .apply.lane import Lane
-from .apply.relations import reflect_table, TargetTable
+from .apply.relations import Reflector
 from .apply.session import TargetError, TargetSession
 from .apply.sink import ApplyError, BatchLimits, TargetApplier, TextValuesNeeded
 from .apply.streaming import StreamingApply
@@ -308,6 +308,7 @@ class Worker:
         assembler: Assembler | None = None
         applier: TargetApplier | None = None
         early: StreamingApply | None = None
+        reflector = Reflector(engine)
         try:
             applied = read_position(target.conn, self.slot) or AppliedPosition(LSN(0), LSN(0))
             slot_two_phase = self._check_source(control)
@@ -339,14 +340,14 @@ class Worker:
                                  settings.batch_time / 1000)
             # Tables copied by applier sync: their changes from before each copy's LSN are in it.
             sync_filter = SyncFilter(table_sync_lsns(engine, self.slot))
-            applier = TargetApplier(target, self._reflector(engine), self.slot, applied, on_commit,
+            applier = TargetApplier(target, reflector, self.slot, applied, on_commit,
                                     limits=limits, careful_until=self.careful_until,
                                     track_target_lsn=settings.synchronous_commit == "off",
                                     sync_filter=sync_filter, binary_check=auto_binary,
                                     extensions=self._extensions(target, options))
             if settings.streamed_apply == "early" and options.streaming != "off":
                 early = StreamingApply(applier, lambda: self._target_session("streamed"),
-                                       self._reflector(engine), self._refused_early)
+                                       reflector, self._refused_early)
             assembler = Assembler(applier, memory_budget=settings.memory_budget, spill_dir=self.spill_dir,
                                   heartbeat=stream.send_status_if_due, early=early)
             self.telemetry.attach(stream, assembler, applier)
@@ -369,7 +370,7 @@ class Worker:
             # from running, above all closing the replication connection, whose walsender
             # otherwise holds the slot.
             self.telemetry.detach()
-            steps = [target.close, control.close]
+            steps = [target.close, control.close, reflector.close]
             if applier is not None:
                 steps.insert(0, lambda: log.info("%s", _summary(applier)))
             if stream is not None:
@@ -428,12 +429,6 @@ class Worker:
                      f"--target <target DSN> --slot {self.slot} --lsn {exc.commit_lsn} (or start "
                      f"the worker with --skip-lsn {exc.commit_lsn})")
         return text
-
-    def _reflector(self, engine: Engine):  # -> Callable[[str, str], TargetTable]
-        def reflect(schema: str, name: str) -> TargetTable:
-            with engine.connect() as conn:
-                return reflect_table(conn, schema, name)
-        return reflect
 
     def _check_source(self, control: psycopg.Connection) -> bool:
         """Slot and publications exist (creating the slot when asked); returns the slot's two_phase."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, Engine, text
 
 from ..protocol.messages import Relation
 
 __all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MissingTargetTable",
-           "MissingTargetColumn", "reflect_table", "map_relation", "quote_ident", "qualified_name",
-           "FIRST_NORMAL_OID"]
+           "MissingTargetColumn", "Reflector", "reflect_table", "map_relation", "quote_ident",
+           "qualified_name", "FIRST_NORMAL_OID"]
 
 #: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
 FIRST_NORMAL_OID = 16384
@@ -105,6 +105,32 @@ def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
                for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
     key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
     return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))
+
+
+class Reflector:
+    """``reflect_table`` over one connection of ``engine``, opened for the first table and kept
+    until ``close``: a publication of many tables costs the target one connection (and the worker
+    one connection set-up) instead of one per table. Each table is read in a transaction of its
+    own; a failure drops the connection, and the next table opens another."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._conn: Connection | None = None
+
+    def __call__(self, schema: str, name: str) -> TargetTable:
+        if self._conn is None:
+            self._conn = self._engine.connect()
+        try:
+            with self._conn.begin():
+                return reflect_table(self._conn, schema, name)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
 
 @dataclass(frozen=True, slots=True)

@@ -341,3 +341,27 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
     assert sum(copies["big"]) == 25000 and max(copies["big"]) == INSERT_PART_ROWS
     assert copies["big"].count(INSERT_PART_ROWS) == 2  # and what is left at the commit
     assert sum(copies["small"]) == 3000 and max(copies["small"]) <= PART_ROWS
+
+
+def test_the_reflector_reads_every_table_over_one_connection(target_db) -> None:
+    from applier.apply.relations import MissingTargetTable, Reflector
+    from applier.progress.store import make_engine
+
+    target_db.execute("CREATE TABLE r1 (id int PRIMARY KEY, v text); CREATE TABLE r2 (a int, b int); "
+                      "CREATE TABLE r3 (k text PRIMARY KEY)")
+
+    def connections() -> int:
+        return target_db.query("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                               "AND pid <> pg_backend_pid()")[0][0]
+
+    before = connections()
+    reflector = Reflector(make_engine(target_db.dsn))
+    tables = [reflector("public", name) for name in ("r1", "r2", "r3")]
+    assert [t.unique_key for t in tables] == [("id",), (), ("k",)]
+    assert connections() == before + 1  # one for all three, idle between tables
+    with pytest.raises(MissingTargetTable):
+        reflector("public", "nope")
+    assert connections() == before  # dropped on failure
+    assert reflector("public", "r1").columns.keys() == {"id", "v"}
+    reflector.close()
+    assert connections() == before

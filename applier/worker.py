@@ -17,8 +17,9 @@ commit order. Data flows one way through five stages, each in its own package:
   A small C reader takes the XLogData payloads straight from libpq. It answers keepalives and
   sends a standby status update at least every ``status_interval``. ``applier run`` starts that
   stream before it loads the rest of the worker (``headstart.py``, psycopg alone), so the source
-  decodes a backlog while we import; the first session takes it only if it is the very stream
-  it would have started after all its checks.
+  decodes a backlog while we import, and a thread receives what it sends meanwhile into libpq's
+  buffer (a quarter of the memory budget at most); the first session takes it only if it is the
+  very stream it would have started after all its checks.
 * ``protocol`` turns each XLogData payload into an immutable message. It is stateless; the worker
   tells it whether it is inside a streamed block, where data messages carry an xid.
 * ``assembler`` checks that the messages form possible sequences and turns them into

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics import ROW_KINDS, Telemetry, Probe
+from .metrics import ROW_KINDS, Probe, Telemetry
 
 __all__ = ["serve"]
 

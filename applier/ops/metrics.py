@@ -6,8 +6,9 @@ custom collector (the applier's counters, the stream's positions and byte count,
 memory and spill figures), so the replication hot path does no extra work; counters of ended
 sessions are folded into running totals so they never go backwards. The probe thread, every
 status interval, times one small query on each server over its own connections (round-trip
-times) and reads the source's WAL position and the target's progress row (lag). Must never touch the replication connection, the target session or
-the slot, and must never block the worker: it only reads attributes the worker thread writes.
+times) and reads the source's WAL position and the target's progress row (lag). Must never
+touch the replication connection, the target session or the slot, and must never block the
+worker: it only reads attributes the worker thread writes.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ PROGRESS_REPORT_INTERVAL = 1.0
 #: run between batches).
 READ_BATCH = 256
 _XLOGDATA_HEADER = 25
-#: Seconds ``receive_ahead`` waits after each read (the socket holds far more than arrives meanwhile).
+#: Seconds ``receive_ahead`` waits after each read (the socket holds more than arrives meanwhile).
 _READ_AHEAD_PAUSE = 0.005
 #: How a frame taker stopped, besides PQgetCopyData's 0 (nothing complete held), -1 (the stream
 #: ended) and -2 (an error): the batch is full; a frame other than XLogData (handed back).

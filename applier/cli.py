@@ -129,7 +129,8 @@ def _runner(command: str) -> Callable[[Settings], int]:
 def _run(settings: Settings) -> int:
     """``applier run``: the replication stream is started before the worker is loaded, so that
     the source decodes while we import (headstart.py)."""
-    from .headstart import start_early
+    with _start_up():  # psycopg, first of all
+        from .headstart import start_early
     head_start = start_early(settings)
     with _start_up():
         from .worker import run

@@ -384,15 +384,16 @@ AWKWARD = ["a \"quoted\" \\ backslash", "{braces,inside}", "NULL", "", "  spaces
 
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_multi_row_statements_carry_every_value_intact(source_db, target_db, mode: str) -> None:
-    """Short runs of inserts, and runs of updates and deletes by key (one key column or
-    several), go as multi-row statements, text or binary values: awkward texts, boxes, enums,
+    """Inserts (one source transaction each), then in a second drain, so that they are not
+    folded into those inserts, a transaction of updates and one of deletes per table, by a key of
+    one column or two: multi-row statements, text or binary values. Awkward texts, boxes, enums,
     composites, domains, arrays and NULLs come out the same."""
     source_db.execute(AWKWARD_SCHEMA)
     target_db.execute(AWKWARD_SCHEMA)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE vals_t, keyed_t, arrcol_t")
     create_slot(source_db)
     with source_db.connect() as conn:
-        for n, text in enumerate(AWKWARD * 5):  # 45 rows: under COPY_MIN_ROWS, so no COPY
+        for n, text in enumerate(AWKWARD * 5):
             conn.execute(
                 "INSERT INTO vals_t VALUES (%s, %s, box(point(%s, 1), point(0, -1.5)), %s, ROW(%s, %s), "
                 "int4range(%s, NULL), jsonb_build_object('t', %s::text), convert_to(%s, 'UTF8'), %s, "
@@ -401,6 +402,9 @@ def test_multi_row_statements_carry_every_value_intact(source_db, target_db, mod
                  text, n / 7, n, n + 1, text[:20], text[:5], float("nan") if n == 4 else n / 3))
             conn.execute("INSERT INTO keyed_t VALUES (%s, %s, %s)", (n % 4, text + str(n), text))
             conn.execute("INSERT INTO arrcol_t VALUES (%s, %s, %s)", (n, [n, None, -n], text))
+    run_worker(source_db, target_db, "--binary", mode)
+    assert_same_rows(source_db, target_db, "vals_t", "keyed_t", "arrcol_t")
+    with source_db.connect() as conn:
         conn.execute("UPDATE vals_t SET t = t || ' \"+\"', m = 'happy', d = d + 1, "
                      "c = ROW(NULL, 'x,y'), bx = box(point(-1, -1), point(2, 2)), raw = NULL")
         conn.execute("UPDATE keyed_t SET v = '{' || v || '}'")

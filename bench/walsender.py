@@ -56,10 +56,13 @@ def _available(sock: int) -> int:
     return int.from_bytes(waiting, sys.byteorder)
 
 
-def drain(source: Database, slot: str, work_mem: str, end: LSN, pause: float) -> tuple[float, float | None]:
+def drain(source: Database, slot: str, work_mem: str, end: LSN, pause: float,
+          pg_version: int) -> tuple[float, float | None]:
     """(seconds, walsender CPU seconds) to receive everything up to ``end`` from ``slot``,
-    reading as it arrives (``pause`` 0) or ``pause`` seconds after the socket became readable."""
-    options = StreamOptions(("bench",), 4, "parallel", False, True, False, None)
+    reading as it arrives (``pause`` 0) or ``pause`` seconds after the socket became readable.
+    The stream options are our worker's defaults for that server version, binary values included."""
+    proto, streaming = (4, "parallel") if pg_version >= 16 else (3, "on")
+    options = StreamOptions(("bench",), proto, streaming, False, True, False, None)
     stream = ReplicationStream(_with_work_mem(source.dsn, work_mem), slot, options)
     conn = stream.connect()
     try:
@@ -110,8 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pauses", default="0.5,1,2,5",
                         help="comma-separated milliseconds to wait after the socket is readable, "
                              "besides reading as it arrives (default 0.5,1,2,5)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs, each on a fresh backlog")
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18)
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs, each on a fresh backlog (default 3)")
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of the source (default 18)")
     args = parser.parse_args(argv)
     workload = next((w for w in workloads(1.0) if w.name.startswith(args.workload)), None)
     if workload is None:
@@ -128,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"run {run + 1}: writing {workload.name} ...", flush=True)
             end = _backlog(workload, db, slots)
             for slot, pause in zip(slots, pauses):
-                results[pause].append(drain(db, slot, workload.decoding_work_mem, end, pause))
+                results[pause].append(drain(db, slot, workload.decoding_work_mem, end, pause,
+                                            args.pg_version))
             server.drop_database(db.name)
     finally:
         server.cleanup()

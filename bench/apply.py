@@ -308,6 +308,15 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     return mine, theirs, alone, ceiling
 
 
+def congestion_control() -> str:
+    """This machine's TCP congestion control: the walsender's cost per message depends on it
+    (README, "Why runs differ")."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def target_server_checkpoint(server: PostgresServer) -> None:
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute("CHECKPOINT")
@@ -332,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # An installed wheel has its bytecode; a checkout may not (PYTHONDONTWRITEBYTECODE), and
     # compiling at every start would be measured as our start-up.
     compileall.compile_dir(str(ROOT / "applier"), quiet=1)
-    print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores) ...", flush=True)
+    print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores, TCP "
+          f"congestion control {congestion_control()}) ...", flush=True)
     source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src")
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
     rows = []

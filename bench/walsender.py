@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from apply import SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem, workloads  # noqa: E402
+from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
+                   congestion_control, workloads)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402
@@ -85,13 +86,6 @@ def drain(source: Database, slot: str, work_mem: str, end: LSN, pause: float,
         stream.close()
 
 
-def _congestion_control() -> str:
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
 def _backlog(workload: Workload, db: Database, slots: Sequence[str]) -> LSN:
     if workload.pgbench_init:
         _pgbench(db, "-i", "-s", "1", "-q")
@@ -123,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no workload named {args.workload!r}; see bench/apply.py")
     pauses = [AS_IT_ARRIVES] + [float(p) / 1000 for p in args.pauses.split(",") if p.strip()]
     print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores, TCP congestion control "
-          f"{_congestion_control()}) ...", flush=True)
+          f"{congestion_control()}) ...", flush=True)
     server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-walsender")
     results: dict[float, list[tuple[float, float | None]]] = {p: [] for p in pauses}
     try:

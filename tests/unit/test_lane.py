@@ -293,3 +293,48 @@ def test_a_delete_run_in_the_batch_becomes_multi_row_deletes_by_key() -> None:
     (statement,) = batch.statements()
     assert statement.sql.startswith('DELETE FROM "public"."gone" WHERE ("id") IN (')
     assert statement.values == [b"%d" % key for key in range(1, 11)] and statement.expected_rows == 10
+
+
+class _PartSink:
+    """The sink side of ``Lane.take`` (applier.apply.lane): rooms as ``TargetApplier.lane_room``
+    computes them (a part of ``part`` rows between whole transactions, of ``part * 5`` inside
+    one), and the parts sent."""
+
+    def __init__(self, inserts: int, part: int) -> None:
+        self.batch_runs = {7: _run(1)}
+        self.inserts, self.part = inserts, part
+        self.parts: list[int] = []
+
+    def lane_room(self, whole: bool) -> tuple[int, int, int, int, int]:
+        insert_part = self.part if whole else self.part * 5
+        return 0, self.part, insert_part - self.inserts, BIG, BIG
+
+    def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
+                  transactions: int, last: object) -> None:
+        self.inserts += inserts
+
+    def lane_due(self) -> None:
+        pass
+
+    def send_part(self) -> None:
+        if self.inserts:
+            self.parts.append(self.inserts)
+            self.inserts = 0
+
+
+def test_a_part_already_due_is_sent_before_the_lane_takes_a_whole_transaction() -> None:
+    """A small transaction whose changes the lane took from inside (its Begin came at the end of
+    a read, so it was handed back) has the larger room of one open transaction, and may fill the
+    part between whole transactions without making it due: the next whole transaction must not
+    add to that part."""
+    from applier.apply.lane import Lane
+    sink = _PartSink(inserts=3, part=4)
+    lane = Lane(_lane, sink)  # type: ignore[arg-type]
+    handed_back: list[bytes] = []
+    first = _txn(0x100, 500, pg.insert(7, [b"1"]))
+    assert lane.take(first[:1], 0, hand_back=handed_back.append) == 1 and handed_back == first[:1]
+    assert lane.take(first[1:], 0) == 1  # its insert, from inside; its commit is the ordinary path's
+    assert sink.inserts == 4 and sink.parts == []
+    second = _txn(0x200, 501, pg.insert(7, [b"2"]))
+    assert lane.take(second, 0, hand_back=handed_back.append) == len(second)
+    assert sink.parts == [4] and sink.inserts == 1

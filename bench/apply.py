@@ -228,13 +228,18 @@ def drain_native(source: Database, target: Database, slot: str, work_mem: str, e
     return Result(elapsed, source_cpu=source_cpu, target_cpu=target_cpu)
 
 
+def stream_protocol(pg_version: int) -> tuple[int, str]:
+    """(proto_version, streaming) our worker asks of a source of this major version by default."""
+    return (4, "parallel") if pg_version >= 16 else (3, "on")
+
+
 def source_ceiling(source: Database, slot: str, work_mem: str, end_lsn: str, pg_version: int) -> float:
     """Seconds for the source alone to decode the backlog: ``pg_logical_slot_get_binary_changes``
     runs pgoutput over the slot with our worker's options (binary values: every bench table has
     the same built-in types on both sides) up to ``end_lsn`` in one backend, with
     no network and no client (a client such as pg_recvlogical, writing every message out, is
     itself slower than the native subscriber and would measure itself)."""
-    proto, streaming = (4, "parallel") if pg_version >= 16 else (3, "on")
+    proto, streaming = stream_protocol(pg_version)
     with source.connect() as conn:
         conn.execute(sql.SQL("SET logical_decoding_work_mem = {}").format(sql.Literal(work_mem)))
         started = time.monotonic()

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
-                   congestion_control, workloads)
+                   congestion_control, stream_protocol, workloads)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402
@@ -62,7 +62,7 @@ def drain(source: Database, slot: str, work_mem: str, end: LSN, pause: float,
     """(seconds, walsender CPU seconds) to receive everything up to ``end`` from ``slot``,
     reading as it arrives (``pause`` 0) or ``pause`` seconds after the socket became readable.
     The stream options are our worker's defaults for that server version, binary values included."""
-    proto, streaming = (4, "parallel") if pg_version >= 16 else (3, "on")
+    proto, streaming = stream_protocol(pg_version)
     options = StreamOptions(("bench",), proto, streaming, False, True, False, None)
     stream = ReplicationStream(_with_work_mem(source.dsn, work_mem), slot, options)
     conn = stream.connect()

@@ -72,7 +72,7 @@ class Lane:
         index = start
         while index < len(payloads):
             room = sink.lane_room(whole)
-            if room is not None and (room[1] <= 0 or room[2] <= 0):
+            if room is not None and min(room[1:3]) <= 0:  # (updated or deleted, inserted) rows left
                 # A part came due outside this loop: the core checks its room only after taking
                 # a change, and the changes of a transaction taken from inside (with the room of
                 # one open transaction) or on the ordinary path may have filled the part. Send

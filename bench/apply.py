@@ -329,10 +329,13 @@ def target_server_checkpoint(server: PostgresServer) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18)
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of both servers (default 18; 15 streams with "
+                             "protocol 3, 18 with protocol 4 and parallel streaming)")
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiply every workload's size (1.0 = the sizes in the issue)")
-    parser.add_argument("--only", default="", help="comma-separated workload name prefixes")
+    parser.add_argument("--only", default="",
+                        help="comma-separated workload name prefixes, e.g. 'oltp,small' (default: all)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each workload this many times (fresh databases each time) and "
                              "report the median of every figure: one run on a shared machine varies")

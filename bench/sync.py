@@ -106,8 +106,10 @@ def run_native(source: PostgresServer, target: PostgresServer, workload: Workloa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--pg-version", type=int, default=18)
-    parser.add_argument("--jobs", type=int, default=4, help="applier sync --jobs")
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of both servers (default 18)")
+    parser.add_argument("--jobs", type=int, default=4,
+                        help="applier sync --jobs: tables copied at once (default 4)")
     parser.add_argument("--scale", type=float, default=1.0, help="row-count multiplier (quick runs)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="runs per contender, alternating which goes first; the best counts")

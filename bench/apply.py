@@ -16,10 +16,11 @@ wheel is.
 
 Each contender runs with its defaults: applier asks for binary values (``--binary auto``: every
 table here has the same built-in types on both sides), the native subscription for text
-(``binary = false``) unless ``--native-binary``.
+(``binary = false``) unless ``--native-binary``. Both reach the source over TCP on 127.0.0.1, or
+both through a Unix-domain socket with ``--unix-socket`` (README, "Why runs differ").
 
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
-                                    [--native-binary]
+                                    [--native-binary] [--unix-socket]
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ sys.path.insert(0, str(ROOT))
 
 import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
+from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from applier.embedded import Database, PostgresServer, ServerSettings, start_server  # noqa: E402
+from applier.embedded import (Database, LocalCluster, PostgresServer, ServerSettings,  # noqa: E402
+                               start_server)
 from applier.progress.store import make_engine, upgrade_schema  # noqa: E402
 
 #: Durable targets, as in production: the commit path is part of what is measured.
@@ -163,11 +166,19 @@ def _same(source: Database, target: Database, tables: Sequence[str]) -> bool:
 
 
 def _with_work_mem(dsn: str, work_mem: str) -> str:
-    return f"{dsn}?options=-c%20logical_decoding_work_mem%3D{work_mem}"
+    return make_conninfo(dsn, options=f"-c logical_decoding_work_mem={work_mem}")
 
 
-def drain_ours(source: Database, target: Database, slot: str, work_mem: str) -> Result:
-    command = [sys.executable, "-m", "applier", "run", "--source", _with_work_mem(source.dsn, work_mem),
+def stream_dsn(source: Database, unix_socket: bool) -> str:
+    """The DSN the contenders stream ``source`` from: TCP, or the server's Unix-domain socket."""
+    if not unix_socket:
+        return source.dsn
+    assert isinstance(source.cluster, LocalCluster)
+    return source.cluster.socket_dsn(source.name)
+
+
+def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, work_mem: str) -> Result:
+    command = [sys.executable, "-m", "applier", "run", "--source", _with_work_mem(source_dsn, work_mem),
                "--target", target.dsn, "--slot", slot, "--publication", "bench",
                "--exit-when-caught-up", "--log-level", "WARNING"]
     # The bookkeeping schema is made before the clock starts, as the native subscription is.
@@ -200,10 +211,9 @@ def _peak_kb(pid: int) -> int:
     return int(line.split()[1])
 
 
-def drain_native(source: Database, target: Database, slot: str, work_mem: str, end_lsn: str,
-                 binary: bool) -> Result:
-    conninfo = f"host={source.cluster.host} port={source.cluster.port} user=postgres dbname={source.name} " \
-               f"options='-c logical_decoding_work_mem={work_mem}'"
+def drain_native(source: Database, source_dsn: str, target: Database, slot: str, work_mem: str,
+                 end_lsn: str, binary: bool) -> Result:
+    conninfo = _with_work_mem(source_dsn, work_mem)
     with target.connect() as conn:
         conn.execute(sql.SQL("CREATE SUBSCRIPTION bench_native CONNECTION {} PUBLICATION bench WITH "
                              "(create_slot = false, slot_name = {}, copy_data = false, enabled = false, "
@@ -271,9 +281,10 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
-                 index: int, pg_version: int, native_binary: bool
+                 index: int, pg_version: int, native_binary: bool, unix_socket: bool
                  ) -> tuple[Result, Result, float, tuple[float, int]]:
     source = source_server.create_database(f"bench_src_{index}")
+    source_dsn = stream_dsn(source, unix_socket)
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
     for db in (source, ours, native):
@@ -292,11 +303,11 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     source.execute("CHECKPOINT")
     target_server_checkpoint(target_server)
     print("  draining with applier ...", flush=True)
-    mine = drain_ours(source, ours, "bench_ours", workload.decoding_work_mem)
+    mine = drain_ours(source, source_dsn, ours, "bench_ours", workload.decoding_work_mem)
     target_server_checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
-    theirs = drain_native(source, native, "bench_native", workload.decoding_work_mem, end_lsn,
-                          native_binary)
+    theirs = drain_native(source, source_dsn, native, "bench_native", workload.decoding_work_mem,
+                          end_lsn, native_binary)
     print("  decoding on the source alone ...", flush=True)
     alone = source_ceiling(source, "bench_source", workload.decoding_work_mem, end_lsn, pg_version)
     mine.equal = _same(source, ours, workload.tables)
@@ -343,15 +354,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="create the native subscription WITH (binary = true); its default is "
                              "false, while applier asks for binary values by default (--binary "
                              "auto) when, as here, every table has the same built-in types")
+    parser.add_argument("--unix-socket", action="store_true",
+                        help="both contenders stream from the source through its Unix-domain socket "
+                             "instead of TCP on 127.0.0.1 (a subscriber on the source's own host); "
+                             "needs the binaries backend, not containers")
     args = parser.parse_args(argv)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
     # An installed wheel has its bytecode; a checkout may not (PYTHONDONTWRITEBYTECODE), and
     # compiling at every start would be measured as our start-up.
     compileall.compile_dir(str(ROOT / "applier"), quiet=1)
-    print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores, TCP "
-          f"congestion control {congestion_control()}) ...", flush=True)
-    source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src")
+    transport = ("streaming through a Unix-domain socket" if args.unix_socket
+                 else f"streaming over TCP, congestion control {congestion_control()}")
+    print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores, "
+          f"{transport}) ...", flush=True)
+    source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src",
+                                 unix_socket=args.unix_socket)
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
     rows = []
     try:
@@ -362,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = []
             for _ in range(args.repeat):
                 runs.append(run_workload(workload, source_server, target_server, index, args.pg_version,
-                                         args.native_binary))
+                                         args.native_binary, args.unix_socket))
                 index += 1
             rows.append((workload, *_medians(runs)))
     finally:

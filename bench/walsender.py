@@ -9,9 +9,11 @@ wait for the socket, sleep a few milliseconds, then read whatever has arrived. I
 rhythm, the walsender's CPU seconds and the drain's duration. The walsender is one process and
 bounds any subscriber's drain of such a backlog; how it turns messages into TCP segments depends on
 the congestion control of the machine (printed) and on when the reader reads (README,
-"Why runs differ").
+"Why runs differ"). With ``--unix-socket`` the reader takes the stream through the source's
+Unix-domain socket instead, where there are no segments and no congestion window.
 
     .venv/bin/python bench/walsender.py [--workload small] [--pauses 0.5,1,2,5] [--repeat 3]
+                                        [--unix-socket]
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
-                   congestion_control, stream_protocol, workloads)
+                   congestion_control, stream_dsn, stream_protocol, workloads)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402
@@ -57,14 +59,14 @@ def _available(sock: int) -> int:
     return int.from_bytes(waiting, sys.byteorder)
 
 
-def drain(source: Database, slot: str, work_mem: str, end: LSN, pause: float,
+def drain(source: Database, source_dsn: str, slot: str, work_mem: str, end: LSN, pause: float,
           pg_version: int) -> tuple[float, float | None]:
     """(seconds, walsender CPU seconds) to receive everything up to ``end`` from ``slot``,
     reading as it arrives (``pause`` 0) or ``pause`` seconds after the socket became readable.
     The stream options are our worker's defaults for that server version, binary values included."""
     proto, streaming = stream_protocol(pg_version)
     options = StreamOptions(("bench",), proto, streaming, False, True, False, None)
-    stream = ReplicationStream(_with_work_mem(source.dsn, work_mem), slot, options)
+    stream = ReplicationStream(_with_work_mem(source_dsn, work_mem), slot, options)
     conn = stream.connect()
     try:
         started = time.monotonic()
@@ -111,14 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="runs, each on a fresh backlog (default 3)")
     parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
                         help="PostgreSQL major version of the source (default 18)")
+    parser.add_argument("--unix-socket", action="store_true",
+                        help="read the stream through the source's Unix-domain socket instead of "
+                             "TCP on 127.0.0.1; needs the binaries backend, not containers")
     args = parser.parse_args(argv)
     workload = next((w for w in workloads(1.0) if w.name.startswith(args.workload)), None)
     if workload is None:
         parser.error(f"no workload named {args.workload!r}; see bench/apply.py")
     pauses = [AS_IT_ARRIVES] + [float(p) / 1000 for p in args.pauses.split(",") if p.strip()]
-    print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores, TCP congestion control "
-          f"{congestion_control()}) ...", flush=True)
-    server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-walsender")
+    transport = ("streaming through a Unix-domain socket" if args.unix_socket
+                 else f"streaming over TCP, congestion control {congestion_control()}")
+    print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores, {transport}) ...", flush=True)
+    server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-walsender",
+                          unix_socket=args.unix_socket)
     results: dict[float, list[tuple[float, float | None]]] = {p: [] for p in pauses}
     try:
         for run in range(args.repeat):
@@ -127,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"run {run + 1}: writing {workload.name} ...", flush=True)
             end = _backlog(workload, db, slots)
             for slot, pause in zip(slots, pauses):
-                results[pause].append(drain(db, slot, workload.decoding_work_mem, end, pause,
-                                            args.pg_version))
+                results[pause].append(drain(db, stream_dsn(db, args.unix_socket), slot,
+                                            workload.decoding_work_mem, end, pause, args.pg_version))
             server.drop_database(db.name)
     finally:
         server.cleanup()

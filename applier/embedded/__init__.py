@@ -76,11 +76,17 @@ def start_server(
     *,
     name: str = "pg",
     backend: Backend | None = None,
+    unix_socket: bool = False,
 ) -> PostgresServer:
-    """A running server of ``major`` with ``settings`` (default: source settings)."""
+    """A running server of ``major`` with ``settings`` (default: source settings). With
+    ``unix_socket`` it also listens on a Unix-domain socket (``LocalCluster.socket_dsn``), which
+    only the binaries backend can offer: a container's socket is not on this machine."""
     backend = backend or selected_backend()
     if backend == "docker":
+        if unix_socket:
+            raise ValueError("a Unix-domain socket needs the binaries backend "
+                             "(APPLIER_TEST_BACKEND=binaries): a container's socket is not on this machine")
         from .containers import ContainerCluster
 
         return ContainerCluster.launch(major, settings, name=name)
-    return LocalCluster.launch(major, settings, name=name)
+    return LocalCluster.launch(major, settings, name=name, unix_socket=unix_socket)

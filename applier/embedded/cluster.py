@@ -7,9 +7,11 @@ helpers shared by every backend (create a database, drop one together with the
 replication slots, prepared transactions and subscriptions that pin it).
 
 Must never: touch a cluster it did not create, listen on anything but
-127.0.0.1, run the server as root (when root it switches to the unprivileged
-user from :func:`applier.embedded.binaries.server_user`), or depend on unix
-sockets. It knows nothing about the applier itself.
+127.0.0.1 and, only when asked (``unix_socket=True``, for measurements of that
+transport), a Unix-domain socket in its own directory, run the server as root
+(when root it switches to the unprivileged user from
+:func:`applier.embedded.binaries.server_user`), or depend on unix sockets for
+anything of its own. It knows nothing about the applier itself.
 """
 
 from __future__ import annotations
@@ -284,6 +286,7 @@ class LocalCluster:
         name: str = "pg",
         base_dir: Path | None = None,
         start_timeout: float = 60.0,
+        unix_socket: bool = False,
     ) -> None:
         self.name = name
         self.bin_dir = Path(bin_dir)
@@ -305,6 +308,9 @@ class LocalCluster:
         if not self.user.is_current:
             os.chown(self.base_dir, self.user.uid, self.user.gid)
         self.data_dir: Path = self.base_dir / "data"
+        # The server's Unix-domain socket, in the cluster's own directory (only the server's
+        # user and root can reach it), when one was asked for; None: TCP only.
+        self.socket_dir: Path | None = self.base_dir if unix_socket else None
         _LIVE.add(self)
 
     # ---- construction helpers
@@ -315,9 +321,10 @@ class LocalCluster:
         settings: ServerSettings | Mapping[str, object] | None = None,
         *,
         name: str = "pg",
+        unix_socket: bool = False,
     ) -> LocalCluster:
         """Find/install binaries for ``major``, initdb and start; returns a running cluster."""
-        cluster = cls(find_or_install_binaries(major), settings, name=name)
+        cluster = cls(find_or_install_binaries(major), settings, name=name, unix_socket=unix_socket)
         try:
             cluster.init()
             cluster.start()
@@ -374,6 +381,13 @@ class LocalCluster:
     def dsn(self, dbname: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self._port}/{quote(dbname, safe='')}"
 
+    def socket_dsn(self, dbname: str = "postgres") -> str:
+        """A DSN that reaches ``dbname`` through the Unix-domain socket (``unix_socket=True``)."""
+        if self.socket_dir is None:
+            raise ClusterError(f"{self.name} listens on TCP only: launch it with unix_socket=True")
+        return (f"postgresql://postgres@/{quote(dbname, safe='')}"
+                f"?host={quote(str(self.socket_dir), safe='')}&port={self._port}")
+
     # ---- life cycle
     def _run(self, args: list[str], *, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         kwargs: dict[str, Any] = {}
@@ -426,10 +440,11 @@ class LocalCluster:
             for attempt in range(5):
                 if not self._port or attempt:
                     self._port = _free_port()
+                sockets = "" if self.socket_dir is None else str(self.socket_dir).replace("'", "''")
                 self._write_owned(
                     self.data_dir / "applier_port.conf",
                     f"listen_addresses = '127.0.0.1'\nport = {self._port}\n"
-                    "unix_socket_directories = ''\n")
+                    f"unix_socket_directories = '{sockets}'\n")
                 if not self.log_path.exists():
                     self._write_owned(self.log_path, "")
                 proc = self._run(

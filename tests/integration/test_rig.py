@@ -11,7 +11,7 @@ import uuid
 import psycopg
 import pytest
 
-from applier.embedded import LocalCluster
+from applier.embedded import ClusterError, LocalCluster, selected_backend, start_server
 
 pytestmark = pytest.mark.server
 
@@ -145,3 +145,24 @@ def test_client_programs_exist(pg_pair) -> None:
     out = subprocess.run([str(pg_pair.source.psql_path), "-X", "-At", "-c", "SELECT 42",
                           pg_pair.source.dsn()], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "42"
+
+
+def test_a_cluster_asked_for_a_unix_socket_is_reached_through_it(pg_pair) -> None:
+    if selected_backend() == "docker":  # a container's socket is not on this machine
+        with pytest.raises(ValueError, match="binaries backend"):
+            start_server(pg_pair.version, unix_socket=True)
+        return
+    cluster = start_server(pg_pair.version, name="rig-socket", unix_socket=True)
+    try:
+        assert isinstance(cluster, LocalCluster)
+        with psycopg.connect(cluster.socket_dsn()) as conn:
+            # No server address: the session came through the Unix-domain socket, not TCP.
+            assert conn.execute("SELECT inet_server_addr() IS NULL").fetchone() == (True,)
+        with psycopg.connect(cluster.dsn()) as conn:
+            assert conn.execute("SELECT inet_server_addr()::text").fetchone() == ("127.0.0.1/32",)
+    finally:
+        cluster.cleanup()
+    assert isinstance(pg_pair.source, LocalCluster)
+    with pytest.raises(ClusterError, match="TCP only"):  # the fixtures' servers: TCP only
+        pg_pair.source.socket_dsn()
+

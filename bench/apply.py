@@ -17,7 +17,7 @@ wheel is.
 Each contender runs with its defaults: applier asks for binary values (``--binary auto``: every
 table here has the same built-in types on both sides), the native subscription for text
 (``binary = false``) unless ``--native-binary``. Both reach the source over TCP on 127.0.0.1, or
-both through a Unix-domain socket with ``--unix-socket`` (README, "Why runs differ").
+both through a Unix-domain socket with ``--unix-socket`` (README, "A source on the same host").
 
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
                                     [--native-binary] [--unix-socket]

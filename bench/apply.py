@@ -324,13 +324,17 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     return mine, theirs, alone, ceiling
 
 
-def congestion_control() -> str:
-    """This machine's TCP congestion control: the walsender's cost per message depends on it
-    (README, "Why runs differ")."""
+def transport(unix_socket: bool) -> str:
+    """How the stream reaches us, for the header: over TCP, with this machine's congestion control
+    (the walsender's cost per message depends on it: README, "Why runs differ"), or through the
+    source's Unix-domain socket."""
+    if unix_socket:
+        return "streaming through a Unix-domain socket"
     try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+        control = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     except OSError:
-        return "unknown"
+        control = "unknown"
+    return f"streaming over TCP, congestion control {control}"
 
 
 def target_server_checkpoint(server: PostgresServer) -> None:
@@ -364,10 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # An installed wheel has its bytecode; a checkout may not (PYTHONDONTWRITEBYTECODE), and
     # compiling at every start would be measured as our start-up.
     compileall.compile_dir(str(ROOT / "applier"), quiet=1)
-    transport = ("streaming through a Unix-domain socket" if args.unix_socket
-                 else f"streaming over TCP, congestion control {congestion_control()}")
     print(f"starting PostgreSQL {args.pg_version} source and target ({os.cpu_count()} cores, "
-          f"{transport}) ...", flush=True)
+          f"{transport(args.unix_socket)}) ...", flush=True)
     source_server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-apply-src",
                                  unix_socket=args.unix_socket)
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")

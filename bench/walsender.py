@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
-                   congestion_control, stream_dsn, stream_protocol, workloads)
+                   stream_dsn, stream_protocol, transport, workloads)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402
@@ -121,9 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if workload is None:
         parser.error(f"no workload named {args.workload!r}; see bench/apply.py")
     pauses = [AS_IT_ARRIVES] + [float(p) / 1000 for p in args.pauses.split(",") if p.strip()]
-    transport = ("streaming through a Unix-domain socket" if args.unix_socket
-                 else f"streaming over TCP, congestion control {congestion_control()}")
-    print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores, {transport}) ...", flush=True)
+    print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores, "
+          f"{transport(args.unix_socket)}) ...", flush=True)
     server = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-walsender",
                           unix_socket=args.unix_socket)
     results: dict[float, list[tuple[float, float | None]]] = {p: [] for p in pauses}

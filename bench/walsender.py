@@ -8,13 +8,13 @@ message as it arrives (waits on the socket and reads at once, as ``read_batch`` 
 wait for the socket, sleep a few milliseconds, then read whatever has arrived. With
 ``--start-delays`` further drains read nothing for that long after START_REPLICATION (as a
 subscriber that is still loading) and then every millisecond. It prints, per rhythm, the
-walsender's CPU seconds, the drain's duration, and the machine's TCP loss probes and
-retransmitted segments during the drain (counters of the whole machine, from /proc/net: nothing
-else should be running). The walsender is one process and
-bounds any subscriber's drain of such a backlog; how it turns messages into TCP segments depends on
-the congestion control of the machine (printed) and on when the reader reads (README,
-"Why runs differ"). With ``--unix-socket`` the reader takes the stream through the source's
-Unix-domain socket instead, where there are no segments and no congestion window.
+walsender's CPU seconds, the drain's duration, and the machine's TCP loss probes and retransmitted
+segments during the drain (counters of the whole machine, from /proc/net: nothing else should be
+running). The walsender is one process and bounds any subscriber's drain of such a backlog; how it
+turns messages into TCP segments depends on the congestion control of the machine (printed) and on
+when the reader reads (README, "Why runs differ"). With ``--unix-socket`` the reader takes the
+stream through the source's Unix-domain socket instead, where there are no segments and no
+congestion window.
 
     .venv/bin/python bench/walsender.py [--workload small] [--pauses 0.5,1,2,5] [--repeat 3]
                                         [--start-delays 0,100] [--unix-socket]
@@ -67,6 +67,9 @@ class Rhythm:
 
 @dataclass(frozen=True)
 class Drained:
+    """One drain: its duration, the walsender's CPU, and the machine's TCP loss probes and
+    retransmitted segments meanwhile (None where they cannot be read)."""
+
     seconds: float
     walsender_cpu: float | None
     loss_probes: int | None

@@ -1,16 +1,10 @@
-"""Fault injection for crash tests: make the worker die at a named point, as a power cut would.
+"""Named failure points for crash tests: make the worker die at one, as a power cut would.
 
 ``APPLIER_FAULT=<point>[:<n>]`` in the worker's environment makes it SIGKILL itself the n-th time
-(default: the first) it reaches ``<point>``. Unset, ``hit`` is one string comparison. The points
-sit exactly where a crash is most dangerous: between a durable target step and the next one, or
-between a durable step and the feedback that tells the source about it.
-
-Points: ``after_prepare`` (target PREPARE TRANSACTION done, its progress not yet recorded),
-``after_commit_prepared`` (target COMMIT PREPARED done, its progress not yet recorded),
-``after_rollback_prepared`` (the same for ROLLBACK PREPARED),
-``before_feedback`` (a target transaction committed, the source not yet told),
-``two_phase_change`` (each change applied or deferred inside a prepared transaction),
-``after_skip`` (a skipped transaction recorded, the source not yet told).
+(default: the first) it reaches ``<point>``. Unset, ``hit`` is one comparison. The points sit
+exactly where a crash is most dangerous: between a durable target step and the next one, or
+between a durable step and the feedback that tells the source about it. Owns the names of the
+points and the kill; must never change what the worker does otherwise.
 """
 
 from __future__ import annotations
@@ -18,16 +12,35 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from enum import StrEnum
 
-__all__ = ["hit"]
+__all__ = ["FailPoint", "hit"]
 
 log = logging.getLogger(__name__)
+
+
+class FailPoint(StrEnum):
+    """Where ``APPLIER_FAULT`` may kill the worker (the value is the name the variable uses)."""
+
+    #: Target PREPARE TRANSACTION done, its position not yet recorded.
+    AFTER_PREPARE = "after_prepare"
+    #: Target COMMIT PREPARED done, its position not yet recorded.
+    AFTER_COMMIT_PREPARED = "after_commit_prepared"
+    #: Target ROLLBACK PREPARED done, its position not yet recorded.
+    AFTER_ROLLBACK_PREPARED = "after_rollback_prepared"
+    #: A target transaction committed, the source not yet told.
+    BEFORE_FEEDBACK = "before_feedback"
+    #: Each change applied or deferred inside a prepared transaction.
+    TWO_PHASE_CHANGE = "two_phase_change"
+    #: A skipped transaction recorded, the source not yet told.
+    AFTER_SKIP = "after_skip"
+
 
 _point, _, _count = os.environ.get("APPLIER_FAULT", "").partition(":")
 _remaining = int(_count or 1) if _point else 0
 
 
-def hit(point: str) -> None:
+def hit(point: FailPoint) -> None:
     """Die here if APPLIER_FAULT names this point and its count is reached."""
     global _remaining
     if point != _point:

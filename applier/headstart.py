@@ -4,7 +4,7 @@ Loading the worker takes about a third of a second (SQLAlchemy and the apply sta
 on a backlog the source has work to do before its first message reaches us: a large transaction
 is decoded whole before its first change is sent, which takes the walsender seconds. So ``run``
 first does, with psycopg alone, what the worker's first session does to start its stream: read
-the target's encoding and the slot's recorded position (``progress.position``), look at the slot,
+the target's encoding and the slot's recorded position (``progress.bookkeeping``), look at the slot,
 resolve the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
 START_REPLICATION. Then it loads the worker, while the source decodes; a thread receives what the
 source sends into libpq's buffer meanwhile (up to a quarter of ``--memory-budget``), so that a
@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 import psycopg
 
 from .config import ConfigError, Settings
-from .progress.position import read_position
+from .progress.bookkeeping import SqlBookkeeping
 from .protocol.lsn import LSN
-from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption, options_for
+from .errors import SourceError
+from .source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
 from .source.slots import slot_info
 
 __all__ = ["HeadStart", "start_early"]
@@ -110,7 +111,7 @@ def start_early(settings: Settings) -> HeadStart | None:
         with psycopg.connect(settings.target, autocommit=True,
                              application_name=f"applier {slot} (start)") as target:
             encoding = target.info.parameter_status("server_encoding") or "UTF8"
-            applied = read_position(target, slot)
+            applied = SqlBookkeeping(target).position(slot)
         with psycopg.connect(settings.source, autocommit=True,
                              application_name="applier control") as control:
             info = slot_info(control, slot)

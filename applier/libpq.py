@@ -15,11 +15,13 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 from psycopg import pq
+
+from .implementation import accelerator
 
 __all__ = ["Binding", "functions"]
 
@@ -56,13 +58,13 @@ def _loaded_libpqs() -> list[str]:
 
 
 class Binding:
-    """A C helper module, bound on first use to the libpq a connection runs on (finding it needs
-    one): ``load()`` imports the module (None when it is not built), whose ``bind(*addresses)``
-    then receives the addresses of ``names``, in that order."""
+    """A C helper module (``module``, as ``implementation.accelerator`` names it), bound on first
+    use to the libpq a connection runs on (finding it needs one): its ``bind(*addresses)``
+    receives the addresses of ``names``, in that order."""
 
-    def __init__(self, what: str, load: Callable[[], ModuleType | None], names: Sequence[str]) -> None:
+    def __init__(self, what: str, module: str, names: Sequence[str]) -> None:
         self._what = what
-        self._load = load
+        self._module_name = module
         self._names = tuple(names)
         self._lock = threading.Lock()
         self._decided = False
@@ -78,9 +80,7 @@ class Binding:
             return self._module
 
     def _bind(self, pgconn: pq.abc.PGconn) -> ModuleType | None:
-        if os.environ.get("APPLIER_PURE_PYTHON") == "1":
-            return None
-        module = self._load()
+        module = accelerator(self._module_name)
         if module is None:
             return None
         addresses = functions(pgconn, self._names)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import logging
 
-from .apply.skipping import request_skip
+from .apply.skipping import describe_request
 from .config import Settings
-from .progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
+from .progress.bookkeeping import SqlBookkeeping
+from .progress.lock import AlreadyRunning, WorkerLock
+from .progress.schema import SchemaError, make_engine, upgrade_schema
 
 __all__ = ["run_skip"]
 
@@ -26,7 +28,8 @@ def run_skip(settings: Settings) -> int:
     engine = make_engine(settings.target)
     try:
         upgrade_schema(engine)
-        message = request_skip(engine, settings.slot, settings.lsn)
+        with engine.begin() as conn:
+            previous = SqlBookkeeping(conn).request_skip(settings.slot, settings.lsn)
     except SchemaError as exc:
         log.error("%s", exc)
         return 1
@@ -35,7 +38,7 @@ def run_skip(settings: Settings) -> int:
         return 1
     finally:
         engine.dispose()
-    print(message)
+    print(describe_request(settings.slot, settings.lsn, previous))
     lock = WorkerLock(settings.target, settings.slot)
     try:
         lock.acquire()

@@ -1,17 +1,17 @@
 """Apply stage: whole source transactions -> target transactions.
 
-Owns the mapping of source relations to target tables (by schema-qualified name, columns by name),
-the SQL for each row shape (built once, cached, every identifier quoted), the target session
-(``session_replication_role = replica``, empty ``search_path``), conflict counting, and writing the
-progress row inside the same target transaction as the data. Must never read the network stream
-or decide transaction boundaries: it is driven by the assembler through ``TransactionSink``.
+``dispatch.Applier`` is the stage's face (the assembler's ``TransactionSink``); ``build`` puts it
+together for a target session. Inside: the one owner of the target transaction
+(``transaction``), over the target session (``target``) and the bookkeeping store
+(``progress.store``); the relations and their mappings onto target tables (``relations``,
+``mapping``); the careful path (``careful``, one statement per row, conflicts resolved by
+``conflicts``) and the fast path (``fastpath``: ``batch`` and ``batch_sql``, ``pipeline``,
+``copy``, and the ``lane`` with its C core); and the handlers beyond rows (``handlers``:
+``twophase``, ``origins``, ``messages``, ``skipping``), the divert interface they use
+(``divert``), the initial copy's filter (``sync_filter``) and the second session that applies a
+streamed transaction as it streams (``streaming``). Must never read the network stream or decide
+transaction boundaries: the assembler drives it.
 
-Beyond rows, each in its own module: two-phase transactions (``twophase``), replication origins
-(``origins``), logical messages (``messages``), conflict detection and policies (``conflicts``)
-and skip requests (``skipping``), assembled per target session by ``extensions``.
+Import the modules themselves: this package imports nothing, so that loading one part does not
+load them all.
 """
-
-from .relations import MissingTargetColumn, MissingTargetTable, TargetTable
-from .sink import ApplyError, TargetApplier
-
-__all__ = ["TargetApplier", "ApplyError", "MissingTargetTable", "MissingTargetColumn", "TargetTable"]

@@ -19,8 +19,11 @@ decoder.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
+
+from psycopg import sql
+
+from ..implementation import accelerator
 
 __all__ = ["copy_text", "copy_text_pure", "copy_binary", "copy_binary_data", "copy_sql"]
 
@@ -68,18 +71,13 @@ def copy_binary_data(tuples: bytes | bytearray) -> bytes:
 
 
 def _accelerated() -> Callable[[list[Row]], bytes] | None:
-    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
-        return None
-    try:
-        from ..protocol import _speedups  # type: ignore[attr-defined]  # built only with a compiler
-    except ImportError:
-        return None
-    return _speedups.copy_text
+    speedups = accelerator("protocol._speedups")
+    return None if speedups is None else speedups.copy_text  # type: ignore[no-any-return]
 
 
 copy_text: Callable[[list[Row]], bytes] = _accelerated() or copy_text_pure
 
 
-def copy_sql(table_sql_name: str, quoted_columns: Sequence[str], binary: bool = False) -> str:
-    return (f"COPY {table_sql_name} ({', '.join(quoted_columns)}) FROM STDIN"
-            + (" (FORMAT binary)" if binary else ""))
+def copy_sql(table: sql.Composable, columns: Sequence[sql.Composable], binary: bool = False) -> str:
+    return sql.SQL("COPY {} ({}) FROM STDIN{}").format(
+        table, sql.SQL(", ").join(columns), sql.SQL(" (FORMAT binary)" if binary else "")).as_string()

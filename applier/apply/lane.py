@@ -19,30 +19,56 @@ the ordinary path takes everything.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..assembler import TransactionEnd
+from ..implementation import accelerator
 from ..protocol.decoder import decode
-from ..protocol.messages import Commit
+from ..protocol.messages import ROW_CHANGE_TYPES, Commit, MessageType
+from .batch import KeyRun, Run
+from .fastpath import LaneRoom
 
-from .batch import Run, KeyRun
-
-if TYPE_CHECKING:
-    from .sink import TargetApplier
-
-__all__ = ["Lane", "core", "lane_for"]
+__all__ = ["Lane", "LaneHost", "core", "lane_for"]
 
 #: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
-_BEGIN = ord("B")
-_CHANGES = (ord("I"), ord("U"), ord("D"))
+_BEGIN = int(MessageType.BEGIN)
+
+
+class LaneHost(Protocol):
+    """What the lane needs of the apply stage (``dispatch.Applier``)."""
+
+    @property
+    def batch_runs(self) -> dict[int, Run | KeyRun]:
+        """The batch's open runs by relation id (the lane writes into them; changed in place only)."""
+
+    def lane_room(self, whole: bool) -> LaneRoom | None:
+        """May the lane take payloads now, and how far. ``whole``: it would take whole
+        transactions; else the changes of the open one."""
+
+    def lane_run(self, relation_id: int, kind: str,
+                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
+        """Give the relation's changes of one kind ("I", "U" or "D") a run in the batch, made by
+        ``make_run(columns, key positions)``, if its table can take them."""
+
+    def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
+                  transactions: int, last: TransactionEnd | None) -> None:
+        """Count what the lane took."""
+
+    def lane_due(self) -> None:
+        """After the lane's last commit, no transaction open: commit the batch if its time is up."""
+
+    def send_part(self) -> None:
+        """Send what the batch holds ahead of its commit."""
+
+    def flush(self, durable: bool = False) -> None:
+        """Commit the batch."""
 
 
 class Lane:
-    def __init__(self, module: ModuleType, sink: TargetApplier) -> None:
+    def __init__(self, module: ModuleType, sink: LaneHost) -> None:
         self._sink = sink
         self._lane = module.Lane(sink.batch_runs)
         # A run for each kind of change, made from (columns, key positions), in the format of
@@ -65,14 +91,14 @@ class Lane:
         take only its row changes."""
         kind = payloads[start][0]
         whole = hand_back is not None
-        if kind not in _CHANGES and (kind != _BEGIN or not whole):
+        if kind not in ROW_CHANGE_TYPES and (kind != _BEGIN or not whole):
             return start
         lane, sink = self._lane, self._sink
         lane.streamed = streamed
         index = start
         while index < len(payloads):
             room = sink.lane_room(whole)
-            if room is not None and min(room[1:3]) <= 0:  # (updated or deleted, inserted) rows left
+            if room is not None and min(room.part_rows, room.insert_part_rows) <= 0:
                 # A part came due outside this loop: the core checks its room only after taking
                 # a change, and the changes of a transaction taken from inside (with the room of
                 # one open transaction) or on the ordinary path may have filled the part. Send
@@ -82,7 +108,8 @@ class Lane:
             if room is None:
                 return index
             lane.whole = whole
-            lane.after, lane.part_room, lane.insert_part_room, lane.rows_room, lane.bytes_room = room
+            lane.after, lane.part_room, lane.insert_part_room = room.after, room.part_rows, room.insert_part_rows
+            lane.rows_room, lane.bytes_room = room.rows, room.bytes
             index = lane.take(payloads, index)
             last = None
             if lane.transactions:
@@ -109,18 +136,12 @@ class Lane:
 
 
 def core() -> ModuleType | None:
-    """The C core (``_lane``), or None when it is not built (no C compiler at install) or
-    ``APPLIER_PURE_PYTHON=1`` asks for the ordinary path alone."""
-    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
-        return None
-    try:
-        from . import _lane  # type: ignore[attr-defined]  # built only with a compiler
-    except ImportError:
-        return None
-    return _lane
+    """The C core (``_lane``), or None when it is not built or ``APPLIER_PURE_PYTHON=1`` asks for
+    the ordinary path alone (``implementation.accelerator``)."""
+    return accelerator("apply._lane")
 
 
-def lane_for(sink: TargetApplier) -> Lane | None:
+def lane_for(sink: LaneHost) -> Lane | None:
     """The lane over ``sink``'s batch, or None without its C core (see ``core``)."""
     module = core()
     return None if module is None else Lane(module, sink)

@@ -2,7 +2,7 @@
 
 Owns what happens to a Message once the assembler hands it over: the prefix filter, and the sink.
 
-* ``table``: ``applier.messages`` on the target. A transactional message is inserted inside the
+* ``table``: ``applier.messages`` on the target (through the bookkeeping store). A transactional message is inserted inside the
   target transaction of its source transaction, in stream order with that transaction's row
   changes, so it becomes visible exactly when (and only if) they do, once. A non-transactional one
   is inserted at once in its own transaction; the server may send it again after a restart (it
@@ -19,31 +19,24 @@ import logging
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 
+from ..progress.records import MessageRecord
+from ..progress.store import ApplyStore
+from ..protocol.lsn import LSN
 from ..protocol.messages import Message
-from .session import TargetSession
-from .statements import Statement
 
-__all__ = ["MessageSink"]
+__all__ = ["MessageSink", "SINKS"]
 
 log = logging.getLogger("applier.messages")
 
-_INSERT = Statement(
-    b"applier_message_insert",
-    "INSERT INTO applier.messages (slot_name, lsn, transactional, prefix, content, xid, commit_lsn) "
-    "VALUES ($1, $2::pg_catalog.pg_lsn, $3::pg_catalog.bool, $4, $5::pg_catalog.bytea, "
-    "$6::pg_catalog.int8, $7::pg_catalog.pg_lsn) ON CONFLICT (slot_name, lsn) DO NOTHING",
-    ())
-_FORMATS = [0, 0, 0, 0, 1, 0, 0]
+SINKS = ("table", "log")
 _SHOWN = 200  # bytes of content shown by the log sink
 
 
 class MessageSink:
-    def __init__(self, session: TargetSession, slot: str, sink: str = "table",
-                 prefixes: Sequence[str] = ()) -> None:
-        if sink not in ("table", "log"):
+    def __init__(self, store: ApplyStore, sink: str = "table", prefixes: Sequence[str] = ()) -> None:
+        if sink not in SINKS:
             raise ValueError(f"message sink must be 'table' or 'log', not {sink!r}")
-        self.session = session
-        self.slot = slot.encode()
+        self.store = store
         self.sink = sink
         self.prefixes = tuple(prefixes)
         self.delivered = 0
@@ -51,7 +44,7 @@ class MessageSink:
     def wants(self, msg: Message) -> bool:
         return not self.prefixes or any(fnmatchcase(msg.prefix, p) for p in self.prefixes)
 
-    def deliver(self, msg: Message, xid: int | None, commit_lsn: int | None) -> None:
+    def deliver(self, msg: Message, xid: int | None, commit_lsn: LSN | None) -> None:
         """Transactional: call inside the open target transaction. Non-transactional: outside."""
         if not self.wants(msg):
             return
@@ -63,11 +56,5 @@ class MessageSink:
             log.info("logical message prefix=%r lsn=%s transactional=%s%s: %s%s", msg.prefix,
                      msg.lsn, msg.transactional, f" xid={xid}" if xid is not None else "", text, more)
             return
-        self.session.run(_INSERT, [
-            self.slot, str(msg.lsn).encode(), b"t" if msg.transactional else b"f",
-            msg.prefix.encode(), msg.content, None if xid is None else str(xid).encode(),
-            None if commit_lsn is None else _lsn_text(commit_lsn)], _FORMATS)
-
-
-def _lsn_text(value: int) -> bytes:
-    return f"{value >> 32:X}/{value & 0xFFFFFFFF:X}".encode()
+        self.store.record_message(MessageRecord(msg.lsn, msg.transactional, msg.prefix, msg.content,
+                                                xid, commit_lsn))

@@ -9,7 +9,8 @@ Owns three things about origins:
   target with ``origin = none`` (PostgreSQL 16+), or another applier with ``--skip-origin``, does
   not send our writes back: a bidirectional pair does not loop. Each target transaction also
   records the source end LSN and commit time as its origin position
-  (``pg_replication_origin_xact_setup``, folded into the progress statement), so
+  (``pg_replication_origin_xact_setup``, which the bookkeeping store folds into the progress
+  statement), so
   ``pg_replication_origin_status`` on the target shows how far the source has been applied and a
   downstream consumer receives meaningful Origin messages. Without the privilege to do so
   (superuser, or EXECUTE on the origin functions) the worker says so once and runs untagged.
@@ -28,42 +29,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from datetime import datetime
 
+from ..errors import Cause, TargetError
+from ..progress.records import OriginRecord
+from ..progress.store import ApplyStore
 from ..protocol.lsn import LSN
-from ..protocol.messages import Origin
-from .session import TargetError, TargetSession
-from .statements import Statement
+from .target import TargetSession
 
-if TYPE_CHECKING:
-    from datetime import datetime
-
-__all__ = ["OriginTag", "OriginTracker", "default_origin_name", "tag_session",
-           "PROGRESS_WITH_ORIGIN_SQL"]
+__all__ = ["OriginTag", "OriginTracker", "default_origin_name", "tag_session"]
 
 log = logging.getLogger(__name__)
-
-#: The progress statement when the session is tagged: the same upsert, plus
-#: pg_replication_origin_xact_setup(end LSN, commit time) in the same round trip.
-PROGRESS_WITH_ORIGIN_SQL = (
-    "INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, applied_at) "
-    "SELECT $1, $2::pg_catalog.pg_lsn, $3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz, "
-    "pg_catalog.now() FROM pg_catalog.pg_replication_origin_xact_setup($3::pg_catalog.pg_lsn, "
-    "$4::pg_catalog.timestamptz) "
-    "ON CONFLICT (slot_name) DO UPDATE SET commit_lsn = EXCLUDED.commit_lsn, "
-    "end_lsn = EXCLUDED.end_lsn, commit_time = EXCLUDED.commit_time, applied_at = EXCLUDED.applied_at"
-)
-
-_RECORD = Statement(
-    b"applier_origin_record",
-    "INSERT INTO applier.origins AS o (slot_name, origin_name, origin_lsn, commit_lsn, "
-    "commit_time, applied_at) VALUES ($1, $2, NULLIF($3::pg_catalog.pg_lsn, "
-    "'0/0'::pg_catalog.pg_lsn), $4::pg_catalog.pg_lsn, $5::pg_catalog.timestamptz, "
-    "pg_catalog.now()) ON CONFLICT (slot_name, origin_name) DO UPDATE SET "
-    "origin_lsn = COALESCE(EXCLUDED.origin_lsn, o.origin_lsn), "
-    "commit_lsn = EXCLUDED.commit_lsn, commit_time = EXCLUDED.commit_time, "
-    "transactions = o.transactions + 1, applied_at = EXCLUDED.applied_at",
-    ())
 
 #: SQLSTATEs meaning "this role may not use replication origins".
 _NOT_PERMITTED = {"42501"}
@@ -122,7 +98,7 @@ def tag_session(session: TargetSession, name: str | None, warn: Callable[[str], 
         if exc.sqlstate in _IN_USE:
             # A worker killed a moment ago still has a target backend attached to the origin.
             raise TargetError(f"{exc} (waiting for the previous worker's target session to end)",
-                              sqlstate=exc.sqlstate, transient=True) from exc
+                              sqlstate=exc.sqlstate, cause=Cause.BUSY) from exc
         if exc.sqlstate in _NOT_PERMITTED:
             warn(f"cannot use replication origin {name!r} on the target ({exc}); the worker's "
                  "writes are not tagged")
@@ -137,19 +113,11 @@ def tag_session(session: TargetSession, name: str | None, warn: Callable[[str], 
 class OriginTracker:
     """Records per-origin positions and decides which origins' transactions are dropped."""
 
-    def __init__(self, session: TargetSession, slot: str, tag: OriginTag,
-                 skip: Iterable[str] = ()) -> None:
-        self.session = session
-        self.slot = slot
+    def __init__(self, store: ApplyStore, tag: OriginTag, skip: Iterable[str] = ()) -> None:
+        self.store = store
         self.tag = tag
         self.skip = frozenset(skip)
 
     def record(self, name: str, origin_lsn: LSN, commit_lsn: LSN, commit_time: datetime | None) -> None:
-        """Inside the open target transaction: the last transaction applied from ``name``."""
-        self.session.run(_RECORD, [self.slot.encode(), name.encode(), str(origin_lsn).encode(),
-                                   str(commit_lsn).encode(),
-                                   commit_time.isoformat().encode() if commit_time else None],
-                         [0, 0, 0, 0, 0])
-
-    def record_message(self, origin: Origin, commit_lsn: LSN, commit_time: datetime | None) -> None:
-        self.record(origin.name, origin.origin_lsn, commit_lsn, commit_time)
+        """Inside the open target transaction: the last transaction applied from origin ``name``."""
+        self.store.record_origin(OriginRecord(name, origin_lsn, commit_lsn, commit_time))

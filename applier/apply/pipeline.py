@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from psycopg import pq
 
-from .session import transient_sqlstate
+from ..errors import Cause, TargetError, cause_of_sqlstate
 
 __all__ = ["Pipeline", "PipelineError", "RowCountMismatch"]
 
@@ -31,13 +31,8 @@ _SYNC = pq.ExecStatus.PIPELINE_SYNC
 _ABORTED = pq.ExecStatus.PIPELINE_ABORTED
 
 
-class PipelineError(Exception):
+class PipelineError(TargetError):
     """A statement of the batch failed; the transaction is aborted on the server."""
-
-    def __init__(self, message: str, *, sqlstate: str | None, transient: bool) -> None:
-        super().__init__(message)
-        self.sqlstate = sqlstate
-        self.transient = transient
 
 
 class RowCountMismatch(Exception):
@@ -145,6 +140,10 @@ class Pipeline:
         self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
         self._flush()
 
+    def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> None:
+        """Queue a statement whose outcome only matters if it fails (a bookkeeping write)."""
+        self.send(text, values)
+
     def copy(self, sql: str, data: bytes | bytearray, expected_rows: int | None) -> None:
         """``COPY ... FROM STDIN`` with ``data``. libpq runs no COPY in pipeline mode: what is
         queued is synced first (its errors and counts raised as by ``sync``), then the COPY runs
@@ -249,7 +248,7 @@ class Pipeline:
             if queued is None:
                 if result.status != _SYNC:
                     raise PipelineError(f"target: pipeline out of step (got {result.status!r} at a "
-                                        "sync point)", sqlstate=None, transient=True)
+                                        "sync point)", cause=Cause.LOST_CONNECTION)
                 if not until_empty:
                     return
                 continue
@@ -271,10 +270,11 @@ class Pipeline:
         raw_state = result.error_field(pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
         message = result.error_message.decode(errors="replace").strip()
+        cause = cause_of_sqlstate(sqlstate, side="target") if sqlstate else Cause.REFUSED_DATA
         self._error = PipelineError(f"target: {queued.what} failed: {message}", sqlstate=sqlstate,
-                                    transient=transient_sqlstate(sqlstate))
+                                    cause=cause)
 
     def _check_connection(self) -> None:
         if self.pgconn.status != pq.ConnStatus.OK:
             message = self.pgconn.error_message.decode(errors="replace").strip()
-            raise PipelineError(f"target: connection lost: {message}", sqlstate=None, transient=True)
+            raise PipelineError(f"target: connection lost: {message}", cause=Cause.LOST_CONNECTION)

@@ -1,167 +1,88 @@
-"""Target table reflection and source-to-target column mapping."""
+"""The relations the stream described, and their mappings onto target tables, cached.
+
+Owns the Relation messages seen in this session (by relation id) and the ``RelationMapping`` of
+each onto its target table, read from the target the first time a change needs it and dropped
+whenever a new Relation message describes that relation again (the source schema may have
+changed). With ``binary_check`` (``--binary auto``) a relation whose binary values would not mean
+the same on the target raises ``TextValuesNeeded`` before any of its values is used. Must never
+run a statement on the apply session.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 
-from sqlalchemy import Connection, Engine, text
-
+from ..errors import Cause, TextValuesNeeded
 from ..protocol.messages import Relation
+from .mapping import MappingError, RelationMapping, TargetTable, map_relation
 
-__all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MissingTargetTable",
-           "MissingTargetColumn", "Reflector", "reflect_table", "map_relation", "quote_ident",
-           "qualified_name", "FIRST_NORMAL_OID"]
-
-#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
-FIRST_NORMAL_OID = 16384
+__all__ = ["RelationCache", "UnknownRelation"]
 
 
-class MissingTargetTable(LookupError):
-    pass
+class UnknownRelation(MappingError):
+    """A change names a relation id no Relation message described (a protocol violation)."""
+
+    cause = Cause.PROTOCOL
 
 
-class MissingTargetColumn(LookupError):
-    pass
+class RelationCache:
+    def __init__(self, reflect: Callable[[str, str], TargetTable], *, binary_check: bool = False) -> None:
+        self._reflect = reflect
+        #: The stream's binary values were not asked for by the user (--binary auto): each
+        #: relation must be binary-safe (``RelationMapping.binary_safe``), else TextValuesNeeded.
+        self.binary_check = binary_check
+        self._relations: dict[int, Relation] = {}
+        self._mappings: dict[int, RelationMapping] = {}
 
+    def __contains__(self, relation_id: int) -> bool:
+        return relation_id in self._relations
 
-def quote_ident(name: str) -> str:
-    """Always quote: mixed case, spaces, quotes and SQL keywords all survive."""
-    return '"' + name.replace('"', '""') + '"'
+    def get(self, relation_id: int) -> Relation | None:
+        return self._relations.get(relation_id)
 
+    def learn(self, msg: Relation) -> None:
+        """A Relation message: the mapping is rebuilt (and the target table read again) on next use."""
+        self._relations[msg.relation_id] = msg
+        self._mappings.pop(msg.relation_id, None)
 
-def qualified_name(schema: str, name: str) -> str:
-    return f"{quote_ident(schema)}.{quote_ident(name)}"
+    def restore(self, relation_id: int, relation: Relation | None) -> None:
+        """Put back a relation's description after replaying older ones (deferred two-phase)."""
+        if relation is not None:
+            self.learn(relation)
+        else:
+            self._relations.pop(relation_id, None)
+            self._mappings.pop(relation_id, None)
 
+    def table_name(self, relation_id: int) -> str | None:
+        """``schema.table`` of a known relation (as skip records name tables)."""
+        relation = self._relations.get(relation_id)
+        return None if relation is None else f"{relation.namespace}.{relation.name}"
 
-@dataclass(frozen=True, slots=True)
-class TargetColumn:
-    name: str
-    type_sql: str          # format_type(): the cast every incoming value goes through
-    generated: bool
-    has_equality: bool     # an '=' operator for exactly this type; else rows are matched as text
-    type_oid: int = 0      # pg_type OID (0: not known)
+    def mapping(self, relation_id: int) -> RelationMapping:
+        """The relation's mapping onto its target table; ``MappingError`` when there is none."""
+        mapping = self._mappings.get(relation_id)
+        if mapping is not None:
+            return mapping
+        relation = self._relations.get(relation_id)
+        if relation is None:
+            raise UnknownRelation(f"change for relation id {relation_id} before its Relation "
+                                  "message (protocol violation)")
+        mapping = map_relation(relation, self._reflect(relation.namespace, relation.name))
+        if self.binary_check and not mapping.binary_safe:
+            raise TextValuesNeeded(
+                f"the types of {mapping.table.sql_name} differ between source and target or are not "
+                "built in, so its binary values would not mean the same there; restarting "
+                "replication with text values (--binary auto)")
+        self._mappings[relation_id] = mapping
+        return mapping
 
-
-@dataclass(frozen=True, slots=True)
-class TargetTable:
-    schema: str
-    name: str
-    columns: dict[str, TargetColumn]
-    unique_key: tuple[str, ...]   # primary key, else the replica identity index; () when none
-    partitioned: bool
-    #: Its rows live in no other table (neither partitioned nor a partition) and no trigger or
-    #: rule fires on it in the replica role: within one target transaction its changes may be
-    #: written before or after other such tables' changes with the same outcome.
-    independent: bool
-
-    @property
-    def sql_name(self) -> str:
-        return qualified_name(self.schema, self.name)
-
-
-_TABLE_SQL = text("""
-    SELECT c.oid, c.relkind = 'p',
-           c.relkind = 'r' AND NOT c.relispartition
-           AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
-                           WHERE t.tgrelid = c.oid AND t.tgenabled IN ('A', 'R'))
-           AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite r
-                           WHERE r.ev_class = c.oid AND r.ev_enabled IN ('A', 'R'))
-    FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-    WHERE n.nspname = :schema AND c.relname = :name AND c.relkind IN ('r', 'p')
-""")
-_COLUMNS_SQL = text("""
-    SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
-           EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
-                   AND o.oprleft = a.atttypid AND o.oprright = a.atttypid),
-           a.atttypid::int8
-    FROM pg_catalog.pg_attribute a
-    WHERE a.attrelid = :oid AND a.attnum > 0 AND NOT a.attisdropped
-    ORDER BY a.attnum
-""")
-_KEY_SQL = text("""
-    SELECT ARRAY(SELECT a.attname FROM unnest(i.indkey) WITH ORDINALITY k(attnum, ord)
-                 JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-                 ORDER BY k.ord)
-    FROM pg_catalog.pg_index i
-    WHERE i.indrelid = :oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
-          AND 0 <> ALL (i.indkey)
-    ORDER BY i.indisprimary DESC, i.indisreplident DESC, i.indexrelid
-    LIMIT 1
-""")
-
-
-def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
-    """Read a target table's columns and unique key (SQLAlchemy connection, catalog queries)."""
-    # With an empty search_path format_type() schema-qualifies every type, as the apply session
-    # (which also runs with an empty search_path) needs.
-    conn.execute(text("SELECT pg_catalog.set_config('search_path', '', true)"))
-    found = conn.execute(_TABLE_SQL, {"schema": schema, "name": name}).first()
-    if found is None:
-        raise MissingTargetTable(
-            f"target table {qualified_name(schema, name)} does not exist; create it on the target "
-            "(same schema-qualified name) and restart")
-    oid, partitioned, independent = found
-    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]))
-               for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
-    key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
-    return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))
-
-
-class Reflector:
-    """``reflect_table`` over one connection of ``engine``, opened for the first table and kept
-    until ``close``: a publication of many tables costs the target one connection (and the worker
-    one connection set-up) instead of one per table. Each table is read in a transaction of its
-    own; a failure drops the connection, and the next table opens another."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._conn: Connection | None = None
-
-    def __call__(self, schema: str, name: str) -> TargetTable:
-        if self._conn is None:
-            self._conn = self._engine.connect()
-        try:
-            with self._conn.begin():
-                return reflect_table(self._conn, schema, name)
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
-
-@dataclass(frozen=True, slots=True)
-class RelationMapping:
-    """A source Relation bound to its target table: column i of the source tuple -> target column."""
-
-    relation: Relation
-    table: TargetTable
-    target_columns: tuple[TargetColumn, ...]   # parallel to relation.columns
-    key_positions: tuple[int, ...]             # source positions of the replica identity columns
-    full_identity: bool                        # REPLICA IDENTITY FULL: match the old row on all columns
-
-    @property
-    def binary_safe(self) -> bool:
-        """Binary values of this relation mean the same on the target: every column has the same
-        built-in type on both sides. Binary formats are per type, and those of arrays and
-        composites carry type OIDs, which only built-in types share between databases."""
-        return all(column.type_oid < FIRST_NORMAL_OID and column.type_oid == target.type_oid
-                   for column, target in zip(self.relation.columns, self.target_columns))
-
-
-def map_relation(relation: Relation, table: TargetTable) -> RelationMapping:
-    mapped = []
-    for column in relation.columns:
-        target = table.columns.get(column.name)
-        if target is None or target.generated:
-            what = "has no column" if target is None else "has only a generated column"
-            raise MissingTargetColumn(
-                f"target table {table.sql_name} {what} {quote_ident(column.name)} that the source "
-                f"relation {qualified_name(relation.namespace, relation.name)} replicates; add the "
-                "column on the target and restart")
-        mapped.append(target)
-    keys = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
-    return RelationMapping(relation, table, tuple(mapped), keys, relation.replica_identity == "f")
+    def check_binary_values(self, relation_id: int) -> None:
+        """Raise TextValuesNeeded when this relation's binary values would not mean the same on
+        the target (``binary_check``), for changes kept to be applied later (a deferred prepared
+        transaction): a restart in text must not find them stored in binary. Anything else wrong
+        with the relation is reported when they are applied, as without the check."""
+        if self.binary_check and relation_id not in self._mappings:
+            try:
+                self.mapping(relation_id)
+            except MappingError:
+                pass

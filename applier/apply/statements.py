@@ -1,8 +1,10 @@
 """SQL for each row shape, built once per (relation, operation, columns present) and cached.
 
-Every value is a parameter sent in the format it arrived in (text or binary) and cast by the
-target column's type; no value is ever spliced into SQL, every identifier is quoted. A statement
-records where each parameter comes from, so applying a row is a tuple lookup, not SQL building.
+Every value is a parameter (``$n``) sent in the format it arrived in (text or binary) and cast by
+the target column's type (``format_type()`` of the target, trusted server output); no value is
+ever spliced into SQL, and every identifier is composed with ``psycopg.sql``. A statement records
+where each parameter comes from, so applying a row is a tuple lookup, not SQL building. Must
+never run anything.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import count
 
-from .relations import RelationMapping, quote_ident
+from psycopg import sql
+
+from .mapping import RelationMapping
 
 __all__ = ["Statement", "NEW", "OLD", "insert_statement", "update_statement", "delete_statement",
-           "update_sql", "delete_sql", "truncate_sql"]
+           "update_sql", "delete_sql", "truncate_sql", "placeholder", "row_filter", "column"]
 
 NEW, OLD = 0, 1
 
@@ -30,82 +34,107 @@ class Statement:
     conflict_key: tuple[int, ...] = ()
 
 
-def _statement(sql: str, params: list[tuple[int, int]], conflict_key: tuple[int, ...] = ()) -> Statement:
-    return Statement(f"applier_{next(_names)}".encode(), sql, tuple(params), conflict_key)
+def named(text: str, params: list[tuple[int, int]] | tuple[tuple[int, int], ...] = (),
+          conflict_key: tuple[int, ...] = (), prefix: str = "applier") -> Statement:
+    """A statement under a name never used before in this process."""
+    return Statement(f"{prefix}_{next(_names)}".encode(), text, tuple(params), conflict_key)
 
 
-def _placeholder(mapping: RelationMapping, position: int, number: int) -> str:
-    return f"${number}::{mapping.target_columns[position].type_sql}"
+def placeholder(mapping: RelationMapping, position: int, number: int) -> sql.Composable:
+    """``$number`` cast to the target type of the source column at ``position``."""
+    return sql.SQL("${}::{}").format(sql.SQL(str(number)),
+                                     sql.SQL(mapping.target_columns[position].type_sql))
+
+
+def column(mapping: RelationMapping, position: int) -> sql.Identifier:
+    """The target column of the source column at ``position``."""
+    return sql.Identifier(mapping.target_columns[position].name)
+
+
+def table(mapping: RelationMapping) -> sql.Identifier:
+    return sql.Identifier(mapping.table.schema, mapping.table.name)
+
+
+def on_conflict(mapping: RelationMapping, names: list[str]) -> sql.Composable:
+    """``ON CONFLICT (key) DO NOTHING`` when the target's unique key is among ``names``, else nothing."""
+    key = mapping.table.unique_key
+    if key and set(key) <= set(names):
+        return sql.SQL(" ON CONFLICT ({}) DO NOTHING").format(
+            sql.SQL(", ").join(map(sql.Identifier, key)))
+    return sql.SQL("")
 
 
 def insert_statement(mapping: RelationMapping, present: tuple[int, ...]) -> Statement:
     """INSERT of the columns present. With a unique key on the target it does nothing on a
     conflict, so the caller can count the conflict and resolve it (update by key, by default)."""
-    table = mapping.table
     names = [mapping.target_columns[i].name for i in present]
-    values = ", ".join(_placeholder(mapping, i, n) for n, i in enumerate(present, 1))
-    sql = (f"INSERT INTO {table.sql_name} ({', '.join(map(quote_ident, names))}) "
-           f"VALUES ({values})")
+    text = sql.SQL("INSERT INTO {} ({}) VALUES ({}){}").format(
+        table(mapping), sql.SQL(", ").join(column(mapping, i) for i in present),
+        sql.SQL(", ").join(placeholder(mapping, i, n) for n, i in enumerate(present, 1)),
+        on_conflict(mapping, names)).as_string()
     params = [(NEW, i) for i in present]
-    if table.unique_key and set(table.unique_key) <= set(names):
-        key = tuple(present[names.index(name)] for name in table.unique_key)
-        sql += f" ON CONFLICT ({', '.join(map(quote_ident, table.unique_key))}) DO NOTHING"
-        return _statement(sql, params, conflict_key=key)
-    return _statement(sql, params)
+    key = mapping.table.unique_key
+    if key and set(key) <= set(names):
+        return named(text, params, conflict_key=tuple(present[names.index(name)] for name in key))
+    return named(text, params)
 
 
-def _row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...],
-                first_number: int, by_key: bool) -> tuple[str, list[tuple[int, int]]]:
+def row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...],
+               first_number: int, by_key: bool) -> tuple[sql.Composable, list[tuple[int, int]]]:
     """WHERE clause locating one row. A key match uses '='; otherwise (FULL identity) every sent
     column is matched NULL-safely and one physical row is picked, so of several identical rows
     exactly one changes, never all."""
-    table = mapping.table
     params = [(source, i) for i in positions]
+    numbered = list(enumerate(positions, first_number))
     if by_key:
-        conditions = [f"{quote_ident(mapping.target_columns[i].name)} = {_placeholder(mapping, i, n)}"
-                      for n, i in enumerate(positions, first_number)]
-        return " AND ".join(conditions), params
+        return sql.SQL(" AND ").join(
+            sql.SQL("{} = {}").format(column(mapping, i), placeholder(mapping, i, n))
+            for n, i in numbered), params
     conditions = []
-    for n, i in enumerate(positions, first_number):
-        column = mapping.target_columns[i]
-        if column.has_equality:
-            conditions.append(f"{quote_ident(column.name)} IS NOT DISTINCT FROM {_placeholder(mapping, i, n)}")
+    for n, i in numbered:
+        if mapping.target_columns[i].has_equality:
+            conditions.append(sql.SQL("{} IS NOT DISTINCT FROM {}").format(
+                column(mapping, i), placeholder(mapping, i, n)))
         else:  # json, point, ...: no '=' of their own; identical values have identical text
-            conditions.append(f"{quote_ident(column.name)}::text IS NOT DISTINCT FROM "
-                              f"({_placeholder(mapping, i, n)})::text")
-    match = " AND ".join(conditions) or "true"
-    if table.partitioned:
-        return (f"(tableoid, ctid) = (SELECT tableoid, ctid FROM {table.sql_name} WHERE {match} "
-                "LIMIT 1)"), params
-    return f"ctid = (SELECT ctid FROM ONLY {table.sql_name} WHERE {match} LIMIT 1)", params
+            conditions.append(sql.SQL("{}::text IS NOT DISTINCT FROM ({})::text").format(
+                column(mapping, i), placeholder(mapping, i, n)))
+    match = sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("true")
+    if mapping.table.partitioned:
+        return sql.SQL("(tableoid, ctid) = (SELECT tableoid, ctid FROM {} WHERE {} LIMIT 1)").format(
+            table(mapping), match), params
+    return sql.SQL("ctid = (SELECT ctid FROM ONLY {} WHERE {} LIMIT 1)").format(
+        table(mapping), match), params
 
 
 def update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
                by_key: bool) -> str:
     """UPDATE setting the columns sent (unchanged TOAST columns are left out, so kept); the
     parameters are the assigned values, then the key (or old row) values."""
-    sets = ", ".join(f"{quote_ident(mapping.target_columns[i].name)} = {_placeholder(mapping, i, n)}"
-                     for n, i in enumerate(assigned, 1))
-    where, _ = _row_filter(mapping, NEW, key_positions, len(assigned) + 1, by_key)
-    return f"UPDATE {mapping.table.sql_name} SET {sets} WHERE {where}"
+    sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(column(mapping, i), placeholder(mapping, i, n))
+                              for n, i in enumerate(assigned, 1))
+    where, _ = row_filter(mapping, NEW, key_positions, len(assigned) + 1, by_key)
+    return sql.SQL("UPDATE {} SET {} WHERE {}").format(table(mapping), sets, where).as_string()
 
 
 def update_statement(mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
                      key_positions: tuple[int, ...], by_key: bool) -> Statement:
-    return _statement(update_sql(mapping, assigned, key_positions, by_key),
-                      [(NEW, i) for i in assigned] + [(key_source, i) for i in key_positions])
+    return named(update_sql(mapping, assigned, key_positions, by_key),
+                 [(NEW, i) for i in assigned] + [(key_source, i) for i in key_positions])
 
 
 def delete_sql(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> str:
-    where, _ = _row_filter(mapping, OLD, key_positions, 1, by_key)
-    return f"DELETE FROM {mapping.table.sql_name} WHERE {where}"
+    where, _ = row_filter(mapping, OLD, key_positions, 1, by_key)
+    return sql.SQL("DELETE FROM {} WHERE {}").format(table(mapping), where).as_string()
 
 
 def delete_statement(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> Statement:
-    return _statement(delete_sql(mapping, key_positions, by_key), [(OLD, i) for i in key_positions])
+    return named(delete_sql(mapping, key_positions, by_key), [(OLD, i) for i in key_positions])
 
 
-def truncate_sql(table_names: list[str], restart_identity: bool) -> str:
-    """One statement for every listed table. CASCADE is never sent: the source already listed every
-    table it truncated, and cascading on the target could empty tables that only the target has."""
-    return f"TRUNCATE {', '.join(table_names)}{' RESTART IDENTITY' if restart_identity else ''}"
+def truncate_sql(tables: list[tuple[str, str]], restart_identity: bool) -> str:
+    """One statement for every listed (schema, table). CASCADE is never sent: the source already
+    listed every table it truncated, and cascading on the target could empty tables that only
+    the target has."""
+    return sql.SQL("TRUNCATE {}{}").format(
+        sql.SQL(", ").join(sql.Identifier(schema, name) for schema, name in tables),
+        sql.SQL(" RESTART IDENTITY" if restart_identity else "")).as_string()

@@ -37,21 +37,15 @@ whole source transaction in its commit order.
 from __future__ import annotations
 
 import logging
-import math
-import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
 
 from ..assembler import Change, TransactionEnd, TransactionStart, deliver
+from ..errors import ApplyError, Cause, Directive, TargetError, TextValuesNeeded, decide
 from ..protocol import LSN, Delete, Insert, Origin, Relation, Truncate, Type, Update
-from .conflicts import ConflictHandler
-from .extensions import Extensions
-from .messages import MessageSink
-from .origins import OriginTag, OriginTracker
-from .relations import TargetTable, quote_ident
-from .session import TargetError, TargetSession
-from .sink import ApplyError, BatchLimits, TargetApplier, TextValuesNeeded
-from .skipping import SkipRequests
+from ..quoting import ident
+from .dispatch import Applier
+from .target import TargetSession
 
 __all__ = ["StreamingApply", "LOCK_TIMEOUT"]
 
@@ -70,15 +64,14 @@ _ORIGIN_SETUP = "SELECT pg_catalog.pg_replication_origin_session_setup($1)"
 
 
 class StreamingApply:
-    """Implements ``assembler.EarlyApply`` beside the main session's ``TargetApplier``."""
+    """Implements ``assembler.EarlyApply`` beside the main session's ``Applier``. ``open_second``
+    connects the early session and builds its applier (``build.second_applier``)."""
 
-    def __init__(self, main: TargetApplier, connect: Callable[[], TargetSession],
-                 reflect: Callable[[str, str], TargetTable], refused: set[int]) -> None:
-        assert main.limits is not None
+    def __init__(self, main: Applier, open_second: Callable[[], Applier], refused: set[int]) -> None:
+        assert main.fast is not None
         self.main = main
-        self._connect = connect
-        self._reflect = reflect
-        tag = main.extensions.origins.tag
+        self._open_second = open_second
+        tag = main.handlers.origins.tag
         self._origin = tag.name.encode() if tag.name is not None else None
         #: Streamed xids not to apply early again (their early apply ended a session).
         self._refused = refused
@@ -92,39 +85,27 @@ class StreamingApply:
         self._writing = False             # this session (not the main one) may write now
         self._main_timeout = False        # the main session runs with LOCK_TIMEOUT
         # The early session is connected at the first streamed transaction.
-        self.session: TargetSession | None = None
-        self._applier: TargetApplier | None = None
+        self._applier: Applier | None = None
 
     @property
-    def applier(self) -> TargetApplier:
+    def applier(self) -> Applier:
         assert self._applier is not None
         return self._applier
 
+    @property
+    def session(self) -> TargetSession | None:
+        return None if self._applier is None else self._applier.tx.session
+
     def _start(self) -> bool:
         """Connect the early session (once); False if it cannot be."""
-        if self.session is not None:
-            return not self.session.conn.closed and not self.session.conn.broken
+        if self._applier is not None:
+            return not self._applier.tx.session.closed
         try:
-            session = self.session = self._connect()
-            session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+            self._applier = self._open_second()
         except TargetError as exc:
             log.warning("streamed transactions are applied at their commit: cannot open a second "
                         "target session (%s)", exc)
             return False
-        main = self.main
-        assert main.limits is not None
-        extensions = main.extensions
-        conflicts = extensions.conflicts
-        self._applier = TargetApplier(
-            session, self._reflect, main.slot, main.applied, main.on_commit,
-            extensions=Extensions(
-                ConflictHandler(session, main.slot, origin_id=conflicts.origin_id,
-                                copy_xids=conflicts.copy_xids),
-                MessageSink(session, main.slot), OriginTracker(session, main.slot, OriginTag(None)),
-                SkipRequests(session, main.slot, None), progress_sql=extensions.progress_sql),
-            # Parts go ahead as on the main session; only the Stream Commit commits.
-            limits=BatchLimits(sys.maxsize, main.limits.bytes, math.inf),
-            track_target_lsn=main.track_target_lsn, binary_check=main.binary_check)
         return True
 
     # -- EarlyApply ----------------------------------------------------------------------------
@@ -132,13 +113,13 @@ class StreamingApply:
         main = self.main
         if (self._xid is not None or xid in self._refused
                 or (main.sync_filter is not None and main.sync_filter.active)
-                or main.extensions.skips.lsn is not None or not self._start()):
+                or main.handlers.skips.lsn is not None or not self._start()):
             return False
         self._xid = xid
         if not self._take_over():
             return False
         try:
-            self.applier.applied = main.applied
+            self.applier.tx.applied = main.tx.applied
             self.applier.begin(TransactionStart(xid, _UNKNOWN_LSN, _UNKNOWN_TIME, streamed=True,
                                                 gid=None, end_lsn=None))
         except (ApplyError, TargetError) as exc:
@@ -198,33 +179,33 @@ class StreamingApply:
         if self._xid is None:
             return False
         main = self.main
-        if end.commit_lsn <= main.applied.commit_lsn:
+        if end.commit_lsn <= main.tx.applied.commit_lsn:
             # Sent again after a restart, though committed before it: discarded whole.
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
-                     end.xid, end.commit_lsn, main.applied.commit_lsn)
+                     end.xid, end.commit_lsn, main.tx.applied.commit_lsn)
             self._learn_relations()
             self._give_up("it was applied already", quietly=True)
             return True
-        if end.commit_lsn <= main.careful_until or main.extensions.skips.lsn is not None:
+        if end.commit_lsn <= main.careful_until or main.handlers.skips.lsn is not None:
             self._give_up("its stretch is redone row by row, or skipped")
             return False
         if not self._take_over():
             return False
         applier = self.applier
-        applier.applied = main.applied
+        applier.tx.applied = main.tx.applied
         try:
             applier.commit(end)
             applier.flush()
         except ApplyError as exc:
-            if exc.careful_until is None:
+            if decide(exc) is not Directive.REDO_CAREFUL:
                 raise  # a lost connection: whether COMMIT happened is unknown; restart
             self._give_up(str(exc))
             return False
         self._learn_relations()
-        main.applied = applier.applied
-        main.applied_counts.update(applier.applied_counts)
-        main.applied_counts["streamed_early"] += 1
-        applier.applied_counts.clear()
+        main.tx.applied = applier.tx.applied
+        main.counts.update(applier.counts)
+        main.counts["streamed_early"] += 1
+        applier.counts.clear()
         self._end()
         return True
 
@@ -239,25 +220,26 @@ class StreamingApply:
         if self._xid is not None:
             self._refused.add(self._xid)
         self._xid = None
-        if self.main.session.pending == self._hand_back:
-            self.main.session.pending = None
-        if self.session is None:
+        main_session = self.main.tx.session
+        if main_session.pending == self._hand_back:
+            main_session.pending = None
+        if self._applier is None:
             return
         try:
             self.applier.abort_open_transaction()
         finally:
-            self.session.close()
+            self.applier.tx.session.close()
 
-    def flushed_wal_lsn(self) -> str:
+    def flushed_wal_lsn(self) -> LSN:
         """The target's flushed WAL position, asked in the session that may write now (so that
         asking moves nothing between the sessions)."""
         if self._writing:
             try:
                 self.applier.settle()
-                return self.applier.session.flushed_wal_lsn()
+                return self.applier.tx.session.flushed_wal_lsn()
             except (ApplyError, TargetError) as exc:
                 self._give_up(str(exc))
-        return self.main.session.flushed_wal_lsn()
+        return self.main.tx.session.flushed_wal_lsn()
 
     # -- handing over the right to write ---------------------------------------------------------
     def _take_over(self) -> bool:
@@ -267,22 +249,23 @@ class StreamingApply:
             return True
         main = self.main
         main.flush()
+        main_session = main.tx.session
         if self._origin is not None:
-            main.session.sql(_ORIGIN_RESET)
+            main_session.sql(_ORIGIN_RESET)
             try:
-                self.applier.session.sql(_ORIGIN_SETUP, [self._origin])
+                self.applier.tx.session.sql(_ORIGIN_SETUP, [self._origin])
             except TargetError as exc:
-                main.session.sql(_ORIGIN_SETUP, [self._origin])
+                main_session.sql(_ORIGIN_SETUP, [self._origin])
                 self._give_up(str(exc))
                 return False
         self._writing = True
-        main.session.pending = self._hand_back
+        main_session.pending = self._hand_back
         return True
 
     def _hand_back(self) -> None:
         """The main session is about to run a statement: this one finishes what it sent and
         gives back the right to write (and the origin)."""
-        main_session = self.main.session
+        main_session = self.main.tx.session
         main_session.pending = None
         self._writing = False
         try:
@@ -291,7 +274,7 @@ class StreamingApply:
             self._give_up(str(exc))
         if self._origin is not None:
             try:
-                self.applier.session.sql(_ORIGIN_RESET)
+                self.applier.tx.session.sql(_ORIGIN_RESET)
             except TargetError as exc:  # a lost session's backend lets go of it as it ends
                 log.debug("the early session could not let go of the origin: %s", exc)
             main_session.sql(_ORIGIN_SETUP, [self._origin])
@@ -307,7 +290,7 @@ class StreamingApply:
         self._relations.clear()
         if self._main_timeout:
             self.main.flush()  # a SET in the main session's open transaction would roll back with it
-            self.main.session.sql("SET lock_timeout TO DEFAULT")
+            self.main.tx.session.sql("SET lock_timeout TO DEFAULT")
             self._main_timeout = False
 
     def _learn_relations(self) -> None:
@@ -354,11 +337,11 @@ class StreamingApply:
             self._refused.add(xid)
             raise ApplyError(f"streamed transaction {xid} cannot be applied as it streams: {reason}; "
                              "restarting replication, so that the source sends it again, to be "
-                             "applied at its commit", transient=True)
+                             "applied at its commit", cause=Cause.SEND_AGAIN)
         if not quietly:
             log.info("streamed transaction %s is applied at its commit instead of as it streams: %s",
                      xid, reason)
 
 
 def _savepoint(subxid: int) -> str:
-    return quote_ident(f"applier_sub_{subxid}")
+    return ident(f"applier_sub_{subxid}")

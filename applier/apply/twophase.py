@@ -49,24 +49,26 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .. import faults
 from ..assembler import TransactionEnd, TransactionStart
+from ..faults import FailPoint
+from ..progress.records import Position, PreparedHeader, SkippedTransaction
 from ..protocol import decode
 from ..protocol.encoder import encode
 from ..protocol.lsn import LSN
 from ..protocol.messages import CommitPrepared, Message, Relation, RollbackPrepared, Truncate
 from .divert import Divert
-from .session import TargetSession
-from .statements import Statement
+from .origins import OriginTracker
+from .relations import RelationCache
+from .skipping import SkipRequests
+from .transaction import TargetTransaction
 
 if TYPE_CHECKING:
     from ..assembler import Change
-    from .sink import TargetApplier
 
-__all__ = ["TwoPhase", "resolve_mode", "target_gid", "MODES"]
+__all__ = ["MODES", "GID_MAX_BYTES", "PreparedHost", "TwoPhase", "resolve_mode", "target_gid"]
 
 log = logging.getLogger(__name__)
 
@@ -75,29 +77,19 @@ GID_MAX_BYTES = 199  # PostgreSQL: GIDSIZE 200 including the terminating NUL
 _LENGTH = struct.Struct(">I")
 _CHUNK_BYTES = 1 << 20
 
-_HEADER_INSERT = Statement(
-    b"applier_2pc_header",
-    "INSERT INTO applier.prepared_transactions (slot_name, xid, mode, source_gid, prepare_lsn, "
-    "end_lsn, prepare_time, origin_name, origin_lsn, changes) VALUES ($1, $2::pg_catalog.int8, "
-    "$3, $4, $5::pg_catalog.pg_lsn, $6::pg_catalog.pg_lsn, $7::pg_catalog.timestamptz, $8, "
-    "$9::pg_catalog.pg_lsn, $10::pg_catalog.int8)", ())
-_CHUNK_INSERT = Statement(
-    b"applier_2pc_chunk",
-    "INSERT INTO applier.prepared_changes (slot_name, xid, seq, data) "
-    "VALUES ($1, $2::pg_catalog.int8, $3::pg_catalog.int4, $4::pg_catalog.bytea)", ())
-_HANDLED = (
-    "SELECT pg_catalog.count(*) FROM pg_catalog.pg_prepared_xacts WHERE gid = $1 UNION ALL "
-    "SELECT pg_catalog.count(*) FROM applier.prepared_transactions "
-    "WHERE slot_name = $2 AND xid = $3::pg_catalog.int8")
-_IS_PREPARED = "SELECT 1 FROM pg_catalog.pg_prepared_xacts WHERE gid = $1"
-_TAKE_HEADER = (
-    "DELETE FROM applier.prepared_transactions WHERE slot_name = $1 AND xid = $2::pg_catalog.int8 "
-    "RETURNING mode, prepare_lsn::pg_catalog.text, origin_name, origin_lsn::pg_catalog.text, "
-    "changes")
-_CHUNKS = (
-    "SELECT seq, data FROM applier.prepared_changes WHERE slot_name = $1 "
-    "AND xid = $2::pg_catalog.int8 AND seq >= $3::pg_catalog.int4 ORDER BY seq LIMIT 8")
-_DROP_CHUNKS = "DELETE FROM applier.prepared_changes WHERE slot_name = $1 AND xid = $2::pg_catalog.int8"
+
+class PreparedHost(Protocol):
+    """What two-phase handling needs of the apply stage (``dispatch.Applier``)."""
+
+    @property
+    def relations(self) -> RelationCache: ...
+
+    def relation(self, msg: Relation) -> None: ...
+
+    def change(self, msg: Change) -> None: ...
+
+    def apply_change(self, msg: Change) -> None:
+        """Apply a change of the open transaction as the careful path does, whatever divert it has."""
 
 
 def target_gid(slot: str, database_oid: int, xid: int) -> str:
@@ -120,130 +112,100 @@ def resolve_mode(requested: str, max_prepared_transactions: int) -> str:
     return requested
 
 
-def _literal(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
-
-
-def _lsn(value: int | None) -> bytes | None:
-    return None if value is None else str(LSN(value)).encode()
-
-
-@dataclass(frozen=True)
-class _Header:
-    mode: str
-    prepare_lsn: LSN
-    origin_name: str | None
-    origin_lsn: LSN | None
-    changes: int
-
-
 class TwoPhase:
-    def __init__(self, session: TargetSession, slot: str, mode: str, database_oid: int,
-                 chunk_bytes: int = _CHUNK_BYTES) -> None:
+    def __init__(self, tx: TargetTransaction, mode: str, database_oid: int, skips: SkipRequests,
+                 origins: OriginTracker, chunk_bytes: int = _CHUNK_BYTES) -> None:
         if mode not in MODES:
             raise ValueError(mode)
-        self.session = session
-        self.slot = slot
+        self.tx = tx
         self.mode = mode
         self.database_oid = database_oid
+        self.skips = skips
+        self.origins = origins
         self.chunk_bytes = chunk_bytes
 
     def gid(self, xid: int) -> str:
-        return target_gid(self.slot, self.database_oid, xid)
+        return target_gid(self.tx.store.slot, self.database_oid, xid)
 
     # -- Begin Prepare ... Prepare --------------------------------------------------------------
-    def begin(self, applier: TargetApplier, txn: TransactionStart) -> Divert:
+    def begin(self, host: PreparedHost, txn: TransactionStart) -> Divert:
         """Decide where a prepared transaction's changes go; opens the target transaction."""
-        result = applier._sql(_HANDLED, [self.gid(txn.xid).encode(), self.slot.encode(),
-                                         str(txn.xid).encode()])
-        if any(int(result.get_value(row, 0)) for row in range(result.ntuples)):
+        tx = self.tx
+        if tx.is_prepared(self.gid(txn.xid)) or tx.store.prepared_held(txn.xid):
             log.info("prepared transaction xid %d (prepare LSN %s) is already held on the target",
                      txn.xid, txn.commit_lsn)
-            return _AlreadyPrepared(self, applier)
-        applier._sql("BEGIN")
+            return _AlreadyPrepared(tx)
+        tx.begin()
         if self.mode == "defer":
-            return _Deferred(self, applier, txn)
-        return _Preparing(self, applier)
+            return _Deferred(self, host, txn)
+        return _Preparing(self, host)
 
-    def _write_header(self, applier: TargetApplier, txn: TransactionEnd, mode: str,
-                      changes: int) -> None:
-        origin = applier.current_origin
-        applier._run(_HEADER_INSERT, [
-            self.slot.encode(), str(txn.xid).encode(), mode.encode(), (txn.gid or "").encode(),
-            _lsn(txn.commit_lsn), _lsn(txn.end_lsn), txn.commit_time.isoformat().encode(),
-            origin.name.encode() if origin else None,
-            _lsn(origin.origin_lsn) if origin and origin.origin_lsn else None,
-            str(changes).encode()])
+    def store_header(self, txn: TransactionEnd, mode: str, changes: int) -> None:
+        origin = self.tx.origin
+        self.tx.store.store_prepared(PreparedHeader(
+            txn.xid, mode, txn.gid or "", txn.commit_lsn, txn.end_lsn, txn.commit_time,
+            origin.name if origin else None,
+            origin.origin_lsn if origin and origin.origin_lsn else None, changes))
 
     # -- Commit Prepared / Rollback Prepared ----------------------------------------------------
-    def commit_prepared(self, applier: TargetApplier, msg: CommitPrepared) -> None:
-        if msg.commit_lsn <= applier.applied.commit_lsn:
+    def commit_prepared(self, host: PreparedHost, msg: CommitPrepared) -> None:
+        tx = self.tx
+        if msg.commit_lsn <= tx.applied.commit_lsn:
             log.info("commit prepared of xid %d at %s: already applied", msg.xid, msg.commit_lsn)
             return
-        applier._current = TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time,
-                                            streamed=False, gid=msg.gid, end_lsn=msg.end_lsn)
-        skips = applier.extensions.skips
+        tx.start(TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time, streamed=False,
+                                  gid=msg.gid, end_lsn=msg.end_lsn))
+        skips = self.skips
         skipping = skips.matches(msg.commit_lsn)
-        header = self._end_prepared(applier, msg.xid, "ROLLBACK" if skipping else "COMMIT",
-                                    "after_commit_prepared")
+        header = self._end_prepared(msg.xid, commit=not skipping,
+                                    fault=FailPoint.AFTER_COMMIT_PREPARED)
         if header is not None and header.mode == "defer":
             skipping = skipping or skips.matches(header.prepare_lsn)
             if not skipping:
-                self._replay(applier, msg.xid)
-            applier._sql(_DROP_CHUNKS, [self.slot.encode(), str(msg.xid).encode()])
+                self._replay(host, msg.xid)
+            tx.store.drop_prepared_chunks(msg.xid)
         if skipping:
-            skips.record(kind="commit_prepared", finish_lsn=msg.commit_lsn, end_lsn=msg.end_lsn,
-                         xid=msg.xid, gid=msg.gid, changes=header.changes if header else 0,
-                         tables=[])
+            skips.record(SkippedTransaction("commit_prepared", msg.commit_lsn, msg.end_lsn, msg.xid,
+                                            msg.gid, header.changes if header else 0, ()))
         else:
             if skips.passed_by(msg.commit_lsn):
                 skips.drop_stale(msg.commit_lsn)
             if header is not None and header.origin_name:
-                applier.extensions.origins.record(header.origin_name, header.origin_lsn or LSN(0),
-                                                  msg.commit_lsn, msg.commit_time)
+                self.origins.record(header.origin_name, header.origin_lsn or LSN(0),
+                                    msg.commit_lsn, msg.commit_time)
             if header is None:
                 log.info("commit prepared of xid %d (GID %r): not held on the target (finished "
                          "before a restart, skipped, or from a skipped origin)", msg.xid, msg.gid)
-        applier.finish(msg.commit_lsn, msg.end_lsn, msg.commit_time)
-        applier.applied_counts["transactions"] += 1
-        applier._current = None
+        tx.commit(Position(msg.commit_lsn, msg.end_lsn, msg.commit_time))
+        tx.counts["transactions"] += 1
+        tx.start(None)
 
-    def rollback_prepared(self, applier: TargetApplier, msg: RollbackPrepared) -> None:
-        if msg.rollback_end_lsn <= applier.applied.end_lsn:
+    def rollback_prepared(self, msg: RollbackPrepared) -> None:
+        tx = self.tx
+        if msg.rollback_end_lsn <= tx.applied.end_lsn:
             log.info("rollback prepared of xid %d ending at %s: already applied", msg.xid,
                      msg.rollback_end_lsn)
             return
-        header = self._end_prepared(applier, msg.xid, "ROLLBACK", "after_rollback_prepared")
+        header = self._end_prepared(msg.xid, commit=False, fault=FailPoint.AFTER_ROLLBACK_PREPARED)
         if header is not None and header.mode == "defer":
-            applier._sql(_DROP_CHUNKS, [self.slot.encode(), str(msg.xid).encode()])
+            tx.store.drop_prepared_chunks(msg.xid)
         # A rollback has no commit LSN: the recorded commit LSN stays, the end LSN moves on.
-        applier.finish(applier.applied.commit_lsn, msg.rollback_end_lsn, msg.rollback_time)
+        tx.commit(Position(tx.applied.commit_lsn, msg.rollback_end_lsn, msg.rollback_time))
 
     # -- helpers --------------------------------------------------------------------------------
-    def _end_prepared(self, applier: TargetApplier, xid: int, verb: str, fault: str) -> _Header | None:
+    def _end_prepared(self, xid: int, *, commit: bool, fault: FailPoint) -> PreparedHeader | None:
         """Finish the target's prepared transaction (if it is still there: it is not when this
         already happened before a crash, or in defer mode), then open the target transaction that
         records the outcome, and take the transaction's header from the pending table."""
+        tx = self.tx
         gid = self.gid(xid)
-        if self._is_prepared(applier, gid):
-            applier._sql(f"{verb} PREPARED {_literal(gid)}")
+        if tx.is_prepared(gid):
+            tx.finish_prepared(gid, commit)
             faults.hit(fault)
-        applier._sql("BEGIN")
-        return self._take_header(applier, xid)
+        tx.begin()
+        return tx.store.take_prepared(xid)
 
-    def _is_prepared(self, applier: TargetApplier, gid: str) -> bool:
-        return applier._sql(_IS_PREPARED, [gid.encode()]).ntuples > 0
-
-    def _take_header(self, applier: TargetApplier, xid: int) -> _Header | None:
-        result = applier._sql(_TAKE_HEADER, [self.slot.encode(), str(xid).encode()])
-        if result.ntuples == 0:
-            return None
-        values = [result.get_value(0, i) for i in range(5)]
-        text = [v.decode() if v is not None else None for v in values]
-        return _Header(text[0] or "", LSN.parse(text[1] or "0/0"), text[2],
-                       LSN.parse(text[3]) if text[3] else None, int(text[4] or 0))
-
-    def _replay(self, applier: TargetApplier, xid: int) -> None:
+    def _replay(self, host: PreparedHost, xid: int) -> None:
         """Apply a deferred transaction's stored messages inside the open target transaction.
 
         The stored Relation messages describe the tables as they were at prepare time; the
@@ -252,21 +214,20 @@ class TwoPhase:
         saved: dict[int, Relation | None] = {}
         seq = 0
         while True:
-            result = applier._query_binary(_CHUNKS, [self.slot.encode(), str(xid).encode(),
-                                                     str(seq).encode()])
-            if result.ntuples == 0:
+            chunks = self.tx.store.prepared_chunks(xid, seq)
+            if not chunks:
                 break
-            for row in range(result.ntuples):
-                seq = int.from_bytes(result.get_value(row, 0), "big", signed=True) + 1
-                for raw in _records(result.get_value(row, 1)):
+            for number, data in chunks:
+                seq = number + 1
+                for raw in _records(data):
                     msg = decode(raw)
                     if type(msg) is Relation:
-                        saved.setdefault(msg.relation_id, applier.relations.get(msg.relation_id))
-                        applier.relation(msg)  # type: ignore[arg-type]
+                        saved.setdefault(msg.relation_id, host.relations.get(msg.relation_id))
+                        host.relation(msg)
                     else:
-                        applier.change(msg)  # type: ignore[arg-type]
+                        host.change(msg)  # type: ignore[arg-type]
         for relation_id, relation in saved.items():
-            applier.restore_relation(relation_id, relation)
+            host.relations.restore(relation_id, relation)
 
 
 def _records(data: bytes) -> Iterator[bytes]:
@@ -278,37 +239,42 @@ def _records(data: bytes) -> Iterator[bytes]:
         pos += length
 
 
+def _protocol_violation(host: PreparedHost, tx: TargetTransaction, txn: TransactionEnd) -> Exception:
+    return tx.error(f"commit of xid {txn.xid}, which began as a prepared transaction (protocol "
+                    "violation)")
+
+
 class _Preparing(Divert):
     """Mode prepare: applies the changes as they come, then PREPAREs the target transaction."""
 
     what = "prepared on the target"
     abandonable = True
 
-    def __init__(self, two_phase: TwoPhase, applier: TargetApplier) -> None:
+    def __init__(self, two_phase: TwoPhase, host: PreparedHost) -> None:
         self.two_phase = two_phase
-        self.applier = applier
+        self.host = host
         self.changes = 0
 
     def change(self, msg: Change) -> None:
         self.changes += 1
-        self.applier._apply(msg)
-        faults.hit("two_phase_change")
+        self.host.apply_change(msg)
+        faults.hit(FailPoint.TWO_PHASE_CHANGE)
 
     def prepare(self, txn: TransactionEnd) -> None:
-        applier = self.applier
-        gid = self.two_phase.gid(txn.xid)
-        self.two_phase._write_header(applier, txn, "prepare", self.changes)
-        applier._sql(f"PREPARE TRANSACTION {_literal(gid)}")
-        faults.hit("after_prepare")
+        two_phase = self.two_phase
+        tx = two_phase.tx
+        gid = two_phase.gid(txn.xid)
+        two_phase.store_header(txn, "prepare", self.changes)
+        tx.prepare(gid)
+        faults.hit(FailPoint.AFTER_PREPARE)
         log.info("prepared %ssource transaction xid %d (GID %r, prepare LSN %s, %d changes) as "
                  "%r on the target", "streamed " if txn.streamed else "", txn.xid, txn.gid,
                  txn.commit_lsn, self.changes, gid)
-        applier._sql("BEGIN")
-        applier.finish(txn.commit_lsn, txn.end_lsn, txn.commit_time)
+        tx.begin()
+        tx.commit(Position(txn.commit_lsn, txn.end_lsn, txn.commit_time))
 
     def commit(self, txn: TransactionEnd) -> None:
-        raise self.applier._error(f"commit of xid {txn.xid}, which began as a prepared "
-                                  "transaction (protocol violation)")
+        raise _protocol_violation(self.host, self.two_phase.tx, txn)
 
 
 class _AlreadyPrepared(Divert):
@@ -316,12 +282,12 @@ class _AlreadyPrepared(Divert):
 
     what = "already prepared"
 
-    def __init__(self, two_phase: TwoPhase, applier: TargetApplier) -> None:
-        self.applier = applier
+    def __init__(self, tx: TargetTransaction) -> None:
+        self.tx = tx
 
     def prepare(self, txn: TransactionEnd) -> None:
-        self.applier._sql("BEGIN")
-        self.applier.finish(txn.commit_lsn, txn.end_lsn, txn.commit_time)
+        self.tx.begin()
+        self.tx.commit(Position(txn.commit_lsn, txn.end_lsn, txn.commit_time))
 
 
 class _Deferred(Divert):
@@ -330,9 +296,9 @@ class _Deferred(Divert):
     what = "deferred until COMMIT PREPARED"
     abandonable = True
 
-    def __init__(self, two_phase: TwoPhase, applier: TargetApplier, txn: TransactionStart) -> None:
+    def __init__(self, two_phase: TwoPhase, host: PreparedHost, txn: TransactionStart) -> None:
         self.two_phase = two_phase
-        self.applier = applier
+        self.host = host
         self.xid = txn.xid
         self.buffer = bytearray()
         self.seq = 0
@@ -343,25 +309,25 @@ class _Deferred(Divert):
         self.described.discard(msg.relation_id)  # store the new description before next use
 
     def change(self, msg: Change) -> None:
-        kind = type(msg)
-        if kind is Truncate:
-            relation_ids: tuple[int, ...] = msg.relation_ids  # type: ignore[union-attr]
-        elif kind is Message:
+        if isinstance(msg, Truncate):
+            relation_ids: tuple[int, ...] = msg.relation_ids
+        elif isinstance(msg, Message):
             relation_ids = ()
         else:
-            relation_ids = (msg.relation_id,)  # type: ignore[union-attr]
+            relation_ids = (msg.relation_id,)
+        relations = self.host.relations
         for relation_id in relation_ids:
             if relation_id not in self.described:
-                relation = self.applier.relations.get(relation_id)
+                relation = relations.get(relation_id)
                 if relation is None:
-                    raise self.applier._error(f"change for relation id {relation_id} before its "
-                                              "Relation message (protocol violation)")
-                self.applier.check_binary_values(relation_id)
+                    raise self.two_phase.tx.error(f"change for relation id {relation_id} before its "
+                                                  "Relation message (protocol violation)")
+                relations.check_binary_values(relation_id)
                 self._append(encode(relation))
                 self.described.add(relation_id)
         self._append(encode(msg))
         self.changes += 1
-        faults.hit("two_phase_change")
+        faults.hit(FailPoint.TWO_PHASE_CHANGE)
 
     def _append(self, raw: bytes) -> None:
         self.buffer += _LENGTH.pack(len(raw))
@@ -372,20 +338,17 @@ class _Deferred(Divert):
     def _flush(self) -> None:
         if not self.buffer:
             return
-        self.applier._run(_CHUNK_INSERT, [self.two_phase.slot.encode(), str(self.xid).encode(),
-                                          str(self.seq).encode(), bytes(self.buffer)],
-                          [0, 0, 0, 1])
+        self.two_phase.tx.store.store_prepared_chunk(self.xid, self.seq, bytes(self.buffer))
         self.seq += 1
         self.buffer.clear()
 
     def prepare(self, txn: TransactionEnd) -> None:
         self._flush()
-        self.two_phase._write_header(self.applier, txn, "defer", self.changes)
+        self.two_phase.store_header(txn, "defer", self.changes)
         log.info("deferred %ssource transaction xid %d (GID %r, prepare LSN %s, %d changes) "
                  "until COMMIT PREPARED", "streamed " if txn.streamed else "", txn.xid, txn.gid,
                  txn.commit_lsn, self.changes)
-        self.applier.finish(txn.commit_lsn, txn.end_lsn, txn.commit_time)
+        self.two_phase.tx.commit(Position(txn.commit_lsn, txn.end_lsn, txn.commit_time))
 
     def commit(self, txn: TransactionEnd) -> None:
-        raise self.applier._error(f"commit of xid {txn.xid}, which began as a prepared "
-                                  "transaction (protocol violation)")
+        raise _protocol_violation(self.host, self.two_phase.tx, txn)

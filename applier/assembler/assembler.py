@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from applier.protocol import (
-    LSN, Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message, Origin, Prepare,
+    Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message, MessageType, Origin,
+    Prepare,
     Relation, ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare,
     StreamStart, StreamStop, Truncate, Type, Update, decode,
 )
@@ -33,7 +34,8 @@ from .sink import Change, EarlyApply, TransactionEnd, TransactionSink, Transacti
 __all__ = ["Assembler", "deliver"]
 
 #: Row change payloads by their first byte (the message type).
-_ROW_CHANGES = {ord("I"): Insert.type_name, ord("U"): Update.type_name, ord("D"): Delete.type_name}
+_ROW_CHANGES = {int(t): t.type_name for t in (MessageType.INSERT, MessageType.UPDATE,
+                                              MessageType.DELETE)}
 
 
 def _change_prefixes(*xids: int) -> tuple[bytes, ...]:

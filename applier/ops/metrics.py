@@ -23,24 +23,27 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
 
-from ..apply.sink import TargetApplier
-from ..assembler import Assembler
 from ..config import ConfigError, Settings, mask_dsn
-from ..progress.store import make_engine
+from ..errors import SourceError
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
-from ..source import ReplicationStream, SourceError
 from .lag import Lag, LagLimit, measure_lag, parse_lag_limit
 from .logs import set_log_context
-from .status import done_position, read_progress, source_wal_position
+from .status import done_position, source_wal_position
 
 if TYPE_CHECKING:
     from http.server import ThreadingHTTPServer
+
+    from ..apply.dispatch import Applier
+    from ..assembler import Assembler
+    from ..source import ReplicationStream
 
 __all__ = ["Telemetry"]
 
 log = logging.getLogger(__name__)
 
-#: Row-change kinds ``TargetApplier.applied_counts`` counts (besides "transactions").
+#: Row-change kinds ``Applier.counts`` counts (besides "transactions").
 ROW_KINDS = ("insert", "update", "delete", "truncate")
 
 
@@ -72,7 +75,7 @@ class Telemetry:
         # The live session's objects (set by attach, cleared by detach).
         self._stream: ReplicationStream | None = None
         self._assembler: Assembler | None = None
-        self._applier: TargetApplier | None = None
+        self._applier: Applier | None = None
         # Totals of ended sessions, so counters stay monotonic across reconnects.
         self._applied_base: Counter[str] = Counter()
         self._conflicts_base: Counter[tuple[str, str]] = Counter()
@@ -131,7 +134,7 @@ class Telemetry:
             thread.join(timeout=5)
         self._threads = []
 
-    def attach(self, stream: ReplicationStream, assembler: Assembler, applier: TargetApplier) -> None:
+    def attach(self, stream: ReplicationStream, assembler: Assembler, applier: Applier) -> None:
         """A session is streaming with these objects."""
         with self._lock:
             self._stream, self._assembler, self._applier = stream, assembler, applier
@@ -141,9 +144,9 @@ class Telemetry:
         """The session ended: fold its counters into the totals, keep its last LSN and xid."""
         with self._lock:
             if self._applier is not None:
-                self._applied_base.update(self._applier.applied_counts)
+                self._applied_base.update(self._applier.counts)
                 self._conflicts_base.update(self._applier.conflicts)
-                self._last_xid = self._applier.current_xid
+                self._last_xid = self._applier.tx.xid
             if self._stream is not None:
                 self._bytes_base += self._stream.bytes_received
                 self._last_lsn = self._stream.received_lsn
@@ -155,7 +158,7 @@ class Telemetry:
         if stream is None:
             return {"slot": self.slot, "lsn": self._last_lsn, "xid": self._last_xid}
         return {"slot": self.slot, "lsn": stream.received_lsn,
-                "xid": applier.current_xid if applier is not None else None}
+                "xid": applier.tx.xid if applier is not None else None}
 
     # -- observers ------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -166,7 +169,7 @@ class Telemetry:
             conflicts = Counter(self._conflicts_base)
             received = self._bytes_base
             if applier is not None:
-                applied.update(dict(applier.applied_counts))  # dict(): an atomic copy
+                applied.update(dict(applier.counts))  # dict(): an atomic copy
                 conflicts.update(dict(applier.conflicts))
             if stream is not None:
                 received += stream.bytes_received
@@ -235,7 +238,7 @@ class Telemetry:
         source.rollback()  # end the implicit transaction: the next probe sees new WAL
         source_rtt = time.perf_counter() - started
         started = time.perf_counter()
-        progress = read_progress(target, self.slot, {"progress"})
+        progress = SqlBookkeeping(target).progress(self.slot)
         target.rollback()
         target_rtt = time.perf_counter() - started
         stream = self._stream

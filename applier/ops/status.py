@@ -21,47 +21,25 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
 from ..config import Settings, mask_dsn
-from ..progress.store import make_engine
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.records import Progress
+from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
+from ..queries import rows
+from ..source.slots import SlotInfo, slot_info
 from .lag import Lag, measure_lag, parse_lag_limit
 
-__all__ = ["Progress", "SlotState", "StatusReport", "read_progress", "read_slot",
-           "source_wal_position", "status", "collect_status", "StatusError"]
+__all__ = ["StatusReport", "source_wal_position", "done_position", "status", "collect_status",
+           "StatusError"]
 
 EXIT_OK, EXIT_FAILED, EXIT_LAGGING = 0, 1, 3
 
 #: Two-phase GIDs the worker prepares on the target start with this prefix.
 PREPARED_GID_PREFIX = "applier_"
-
-#: Columns naming the kind of an event row in optional bookkeeping tables, most specific first.
-_KIND_COLUMNS = ("conflict_type", "skip_reason", "kind", "type", "reason")
-
-
-@dataclass
-class SlotState:
-    name: str
-    plugin: str | None
-    database: str | None
-    active: bool
-    active_pid: int | None
-    two_phase: bool
-    restart_lsn: LSN | None
-    confirmed_flush_lsn: LSN | None
-    wal_status: str | None
-
-
-@dataclass
-class Progress:
-    """The last source transaction applied for a slot (``applier.progress``)."""
-
-    commit_lsn: LSN
-    end_lsn: LSN
-    commit_time: datetime | None
-    applied_at: datetime | None
 
 
 @dataclass
@@ -69,7 +47,7 @@ class StatusReport:
     slot_name: str
     source_database: str
     source_wal_lsn: LSN
-    slot: SlotState | None
+    slot: SlotInfo | None
     retained_wal_bytes: int | None
     progress: Progress | None
     lag: Lag
@@ -97,42 +75,10 @@ class StatusReport:
 
 def source_wal_position(conn: Connection) -> tuple[str, LSN]:
     """(database name, the source's current WAL position; replayed position on a standby)."""
-    row = conn.execute(text(
-        "SELECT pg_catalog.current_database(), CASE WHEN pg_catalog.pg_is_in_recovery() "
-        "THEN pg_catalog.pg_last_wal_replay_lsn() ELSE pg_catalog.pg_current_wal_lsn() END::text")).one()
+    row = rows(conn, "SELECT pg_catalog.current_database(), CASE WHEN pg_catalog.pg_is_in_recovery() "
+                     "THEN pg_catalog.pg_last_wal_replay_lsn() ELSE pg_catalog.pg_current_wal_lsn() "
+                     "END::text")[0]
     return row[0], LSN.parse(row[1])
-
-
-def read_slot(conn: Connection, slot: str) -> SlotState | None:
-    two_phase = "two_phase" if conn.dialect.server_version_info >= (14,) else "false"
-    row = conn.execute(text(
-        f"SELECT slot_name, plugin, database, active, active_pid, {two_phase}, restart_lsn::text, "
-        "confirmed_flush_lsn::text, wal_status FROM pg_catalog.pg_replication_slots "
-        "WHERE slot_name = :slot"), {"slot": slot}).first()
-    if row is None:
-        return None
-    return SlotState(row[0], row[1], row[2], bool(row[3]), row[4], bool(row[5]),
-                     LSN.parse(row[6]) if row[6] else None, LSN.parse(row[7]) if row[7] else None,
-                     row[8])
-
-
-def bookkeeping_tables(conn: Connection) -> set[str]:
-    """Names of the tables in the target's ``applier`` schema (empty before the first run)."""
-    rows = conn.execute(text(
-        "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
-        "ON n.oid = c.relnamespace WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p')"))
-    return {row[0] for row in rows}
-
-
-def read_progress(conn: Connection, slot: str, tables: set[str] | None = None) -> Progress | None:
-    if "progress" not in (bookkeeping_tables(conn) if tables is None else tables):
-        return None
-    row = conn.execute(text(
-        "SELECT commit_lsn::text, end_lsn::text, commit_time, applied_at FROM applier.progress "
-        "WHERE slot_name = :slot"), {"slot": slot}).first()
-    if row is None:
-        return None
-    return Progress(LSN.parse(row[0]), LSN.parse(row[1]), row[2], row[3])
 
 
 def done_position(progress: Progress | None, confirmed: LSN | None) -> LSN:
@@ -148,16 +94,19 @@ def collect_status(settings: Settings) -> StatusReport:
     limit = parse_lag_limit(settings.max_lag) if settings.values.get("max_lag") else None
     with _reading("source", settings.source) as source:
         database, wal_lsn = source_wal_position(source)
-        slot = read_slot(source, slot_name)
+        slot = slot_info(source, slot_name)
     with _reading("target", settings.target) as target:
-        tables = bookkeeping_tables(target)
-        progress = read_progress(target, slot_name, tables)
-        prepared = _prepared_transactions(target, slot_name, tables)
-        table_sync = _rows_for_slot(target, "table_sync", slot_name) if "table_sync" in tables else None
-        conflicts = _count_by_kind(target, "conflicts", slot_name) if "conflicts" in tables else None
-        skipped = (_count_by_kind(target, "skipped_transactions", slot_name)
+        store = SqlBookkeeping(target)
+        tables = store.tables()
+        progress = store.progress(slot_name) if "progress" in tables else None
+        prepared = _prepared_on_target(target) + store.deferred_prepared(slot_name)
+        table_sync = ([dict(row) for row in store.rows("table_sync", slot_name)]
+                      if "table_sync" in tables else None)
+        conflicts = store.count_by_kind("conflicts", slot_name) if "conflicts" in tables else None
+        skipped = (store.count_by_kind("skipped_transactions", slot_name)
                    if "skipped_transactions" in tables else None)
-        origins = _rows_for_slot(target, "origins", slot_name) if "origins" in tables else None
+        origins = ([dict(row) for row in store.rows("origins", slot_name)]
+                   if "origins" in tables else None)
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -194,57 +143,14 @@ def _reading(side: str, dsn: str) -> Iterator[Connection]:
         raise StatusError(f"cannot read the {side} ({mask_dsn(dsn)}): {mask_dsn(reason)}") from exc
 
 
-def _prepared_transactions(conn: Connection, slot: str, tables: set[str]) -> list[dict[str, Any]]:
-    """Source transactions pending between PREPARE and COMMIT/ROLLBACK PREPARED: prepared on the
-    target (prepare mode) or held in the bookkeeping schema (defer mode)."""
-    rows = conn.execute(text(
-        "SELECT gid, prepared, owner FROM pg_catalog.pg_prepared_xacts "
-        "WHERE database = pg_catalog.current_database() AND starts_with(gid, :prefix) "
-        "ORDER BY prepared"), {"prefix": PREPARED_GID_PREFIX})
-    pending = [{"gid": r[0], "prepared": r[1], "owner": r[2], "mode": "prepare"} for r in rows]
-    if "prepared_transactions" in tables:
-        deferred = conn.execute(text(
-            "SELECT source_gid, prepare_time, prepare_lsn::text, changes "
-            "FROM applier.prepared_transactions WHERE slot_name = :slot AND mode = 'defer' "
-            "ORDER BY prepare_lsn"), {"slot": slot})
-        pending += [{"gid": r[0], "prepared": r[1], "prepare_lsn": r[2], "changes": r[3],
-                     "mode": "defer"} for r in deferred]
-    return pending
-
-
-def _columns(conn: Connection, table: str) -> list[str]:
-    rows = conn.execute(text(
-        "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = "
-        "pg_catalog.to_regclass(:name) AND attnum > 0 AND NOT attisdropped ORDER BY attnum"),
-        {"name": f'"applier".{_quote(table)}'})
-    return [r[0] for r in rows]
-
-
-def _slot_filter(columns: list[str]) -> str:
-    return " WHERE slot_name = :slot" if "slot_name" in columns else ""
-
-
-def _rows_for_slot(conn: Connection, table: str, slot: str) -> list[dict[str, Any]]:
-    columns = _columns(conn, table)
-    rows = conn.execute(text(f'SELECT * FROM "applier".{_quote(table)}{_slot_filter(columns)}'),
-                        {"slot": slot})
-    return [dict(row._mapping) for row in rows]
-
-
-def _count_by_kind(conn: Connection, table: str, slot: str) -> dict[str, int]:
-    columns = _columns(conn, table)
-    kind = next((c for c in _KIND_COLUMNS if c in columns), None)
-    if kind is None:
-        total = conn.execute(text(f'SELECT count(*) FROM "applier".{_quote(table)}'
-                                  f'{_slot_filter(columns)}'), {"slot": slot}).scalar_one()
-        return {"all": int(total)}
-    rows = conn.execute(text(f'SELECT {_quote(kind)}::text, count(*) FROM "applier".{_quote(table)}'
-                             f'{_slot_filter(columns)} GROUP BY 1 ORDER BY 1'), {"slot": slot})
-    return {str(r[0]): int(r[1]) for r in rows}
-
-
-def _quote(identifier: str) -> str:
-    return '"' + identifier.replace('"', '""') + '"'
+def _prepared_on_target(conn: Connection) -> list[dict[str, Any]]:
+    """Source transactions the worker prepared on the target (two-phase mode prepare), pending
+    until COMMIT/ROLLBACK PREPARED."""
+    found = rows(conn, "SELECT gid, prepared, owner FROM pg_catalog.pg_prepared_xacts "
+                       "WHERE database = pg_catalog.current_database() "
+                       "AND starts_with(gid, %(prefix)s) ORDER BY prepared",
+                 {"prefix": PREPARED_GID_PREFIX})
+    return [{"gid": r[0], "prepared": r[1], "owner": r[2], "mode": "prepare"} for r in found]
 
 
 def _directory_bytes(path: Path) -> int | None:

@@ -1,129 +1,170 @@
-"""Bookkeeping schema upgrades, recorded positions and the per-slot worker lock."""
+"""The bookkeeping store's interface: every read and write of the ``applier.*`` tables.
+
+Two faces, each a typed protocol with a PostgreSQL implementation and an in-memory twin
+(``memory.MemoryStore`` implements both, so a unit test can apply with it and read back):
+
+* ``ApplyStore``: what the apply stage reads and writes inside the target transaction of the
+  source transaction it belongs to (the position, origins, messages, conflicts, skips, pending
+  prepared transactions). Bound to one target session; ``postgres.PostgresApplyStore`` runs it
+  there over libpq, with values as bytes.
+* ``Bookkeeping``: what runs off the hot path, on any connection a command holds (status,
+  metrics, verify, skip, sync, the Spark reader): ``bookkeeping.SqlBookkeeping``.
+
+Owns the shapes of both interfaces and the session protocol the PostgreSQL side needs. Must
+never import the apply stage or the source: they depend on it, not it on them.
+"""
 
 from __future__ import annotations
 
-import zlib
-from pathlib import Path
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
-import psycopg
-import sqlalchemy.exc
-from sqlalchemy import Connection, Engine, create_engine, text
-from sqlalchemy.pool import NullPool
+from ..errors import ApplierError, Cause
+from ..protocol.lsn import LSN
+from .records import (
+    AppliedPosition, ConflictRecord, MessageRecord, OriginRecord, Position, PreparedHeader,
+    Progress, SkippedTransaction, TableName,
+)
 
-from ..apply.session import TargetError
-from ..source.stream import is_permanent
-
-__all__ = ["AlreadyRunning", "SchemaError", "WorkerLock", "make_engine", "upgrade_schema",
-           "MIGRATIONS_DIR", "SCHEMA_HEAD"]
-
-#: The newest migration's revision (a unit test holds it to alembic's own head). A schema already
-#: there needs no alembic at all, which saves loading it (a third of a second) at every start.
-SCHEMA_HEAD = "0004"
-
-#: Advisory lock namespace (first key) for applier; the second key identifies what is locked.
-_LOCK_NAMESPACE = 0x4150504C  # 'APPL'
-_MIGRATION_LOCK_KEY = 0
-
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "_migrations"
-if not MIGRATIONS_DIR.is_dir():  # source checkout / editable install: the top-level folder
-    MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+__all__ = ["ApplyStore", "Bookkeeping", "Result", "Session", "StoreStatement", "SyncIncomplete",
+           "TableState", "Writer", "sync_lsns"]
 
 
-class SchemaError(RuntimeError):
-    pass
+class SyncIncomplete(ApplierError):
+    """The initial copy of some published tables has not finished; streaming must not start."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.NEEDS_OPERATOR)
 
 
-class AlreadyRunning(RuntimeError):
-    pass
+@dataclass(frozen=True)
+class TableState:
+    """A table's initial copy for one slot (``applier.table_sync``)."""
+
+    state: str            # 'copying' | 'done'
+    sync_lsn: LSN | None  # set once done
 
 
-def make_engine(dsn: str) -> Engine:
-    """SQLAlchemy engine over psycopg 3 for a libpq DSN in either URL or key=value form."""
-    return create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn),
-                         poolclass=NullPool)
+@dataclass(frozen=True, slots=True)
+class StoreStatement:
+    """A bookkeeping statement prepared once per session under ``name``."""
+
+    name: bytes
+    sql: str
 
 
-def upgrade_schema(engine: Engine) -> None:
-    """Create or upgrade the ``applier`` schema to the newest migration.
+class Result(Protocol):
+    """A statement's result, as libpq returns it (values are text bytes unless asked binary)."""
 
-    Two workers starting at once serialise on a transaction-level advisory lock; the second
-    finds the schema current and does nothing.
-    """
-    try:
-        with engine.begin() as conn:
-            conn.execute(text("SELECT pg_advisory_xact_lock(:ns, :key)"),
-                         {"ns": _LOCK_NAMESPACE, "key": _MIGRATION_LOCK_KEY})
-            if _revision(conn) == SCHEMA_HEAD:
-                return
-            # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema
-            # exists: a least-privilege role that owns an existing applier schema must not need it.
-            exists = conn.execute(text("SELECT 1 FROM pg_catalog.pg_namespace "
-                                       "WHERE nspname = 'applier'")).first()
-            if exists is None:
-                conn.execute(text("CREATE SCHEMA applier"))
-            from alembic import command  # only when there is something to upgrade (see SCHEMA_HEAD)
-            from alembic.config import Config
+    @property
+    def ntuples(self) -> int: ...
 
-            config = Config()
-            config.set_main_option("script_location", str(MIGRATIONS_DIR))
-            config.attributes["connection"] = conn
-            command.upgrade(config, "head")
-    except sqlalchemy.exc.OperationalError as exc:  # the connection, not the schema
-        orig = exc.orig if isinstance(exc.orig, psycopg.Error) else None
-        raise TargetError(f"target: {str(exc.orig or exc).strip()}",
-                          sqlstate=getattr(orig, "sqlstate", None),
-                          transient=orig is None or not is_permanent(orig)) from exc
-    except Exception as exc:  # alembic and SQLAlchemy raise many types; one clear message
-        raise SchemaError(f"target: cannot create or upgrade the applier bookkeeping schema: {exc}. "
-                          "The target role needs CREATE on the database (or an existing applier "
-                          "schema it owns).") from exc
+    @property
+    def command_tuples(self) -> int | None: ...
+
+    def get_value(self, row_number: int, column_number: int) -> bytes | None: ...
 
 
-def _revision(conn: Connection) -> str | None:
-    """The schema's current migration revision; None before the first migration."""
-    if conn.execute(text("SELECT pg_catalog.to_regclass('applier.alembic_version')")).scalar() is None:
-        return None
-    return conn.execute(text("SELECT version_num FROM applier.alembic_version")).scalar()
+class Writer(Protocol):
+    """Where a write can go: the target session, or a fast-path batch's pipeline."""
+
+    def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> Any: ...
 
 
-class WorkerLock:
-    """A session advisory lock per slot on the target: one worker per slot and target, ever.
+class Session(Writer, Protocol):
+    """The target session the PostgreSQL apply store runs on (``apply.target.TargetSession``)."""
 
-    Held on its own connection for the worker's lifetime; PostgreSQL releases it if that
-    connection dies, so a crashed worker never blocks its successor.
-    """
+    def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> Result: ...
 
-    def __init__(self, dsn: str, slot: str) -> None:
-        self.dsn = dsn
-        self.slot = slot
-        self._conn: psycopg.Connection | None = None
+    def run(self, statement: StoreStatement, values: Sequence[bytes | None],
+            formats: Sequence[int]) -> Result: ...
 
-    def acquire(self) -> None:
-        conn = psycopg.connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
-        key = self._key()
-        got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (_LOCK_NAMESPACE, key)).fetchone()
-        if not got or not got[0]:
-            holder = conn.execute(
-                "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
-                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-                "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
-                (_LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
-            conn.close()
-            who = f" (target backend pid {holder[0]}, {holder[1]!r})" if holder else ""
-            raise AlreadyRunning(f"another applier worker is already running for slot {self.slot!r} "
-                                 f"on this target{who}; stop it first")
-        self._conn = conn
+    def execute(self, text: str, values: Sequence[bytes | None] = (),
+                formats: Sequence[int] | None = None, binary_result: bool = False) -> Result: ...
 
-    def release(self) -> None:
-        if self._conn is not None:
-            # Unlocked before closing: the server ends a closed session a moment later, and a
-            # worker taking over at once (applier sync hands over to it) would find it still held.
-            try:
-                self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (_LOCK_NAMESPACE, self._key()))
-            except psycopg.Error:
-                pass  # a connection already lost holds no lock
-            self._conn.close()
-            self._conn = None
 
-    def _key(self) -> int:
-        return zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4
+class ApplyStore(Protocol):
+    """Reads and writes in the open target transaction of the session the store is bound to."""
+
+    slot: str
+
+    def read_position(self) -> AppliedPosition | None: ...
+
+    def record_position(self, position: Position, via: Writer | None = None) -> None:
+        """The progress row, in the open target transaction (``via``: a pipeline instead)."""
+
+    def touch_position(self) -> bool:
+        """Rewrite the progress row unchanged (a write that makes a commit flush the WAL); False
+        without one."""
+
+    def record_origin(self, origin: OriginRecord) -> None: ...
+
+    def record_message(self, message: MessageRecord) -> None: ...
+
+    def record_conflict(self, conflict: ConflictRecord) -> None: ...
+
+    def skip_request(self) -> LSN | None: ...
+
+    def drop_skip_request(self, lsn: LSN) -> None: ...
+
+    def record_skipped(self, skipped: SkippedTransaction, request: LSN) -> None:
+        """What was skipped, and the request that asked for it is done."""
+
+    def prepared_held(self, xid: int) -> bool: ...
+
+    def store_prepared(self, header: PreparedHeader) -> None: ...
+
+    def store_prepared_chunk(self, xid: int, seq: int, data: bytes) -> None: ...
+
+    def take_prepared(self, xid: int) -> PreparedHeader | None:
+        """Remove and return a pending prepared transaction's header."""
+
+    def prepared_chunks(self, xid: int, from_seq: int) -> list[tuple[int, bytes]]:
+        """A deferred transaction's stored messages, some chunks at a time, from ``from_seq``."""
+
+    def drop_prepared_chunks(self, xid: int) -> None: ...
+
+    def copy_xids(self) -> tuple[int, ...]:
+        """The target xids of the slot's initial-copy transactions."""
+
+    def table_sync_lsns(self) -> dict[TableName, LSN]:
+        """The sync LSN of every table ``applier sync`` copied for the slot; raises
+        ``SyncIncomplete`` while a copy is unfinished."""
+
+
+class Bookkeeping(Protocol):
+    """Off the hot path: reads for operations, and the writes of ``skip`` and ``sync``."""
+
+    def tables(self) -> set[str]:
+        """The tables of the ``applier`` schema (empty before the first run)."""
+
+    def position(self, slot: str) -> AppliedPosition | None: ...
+
+    def progress(self, slot: str) -> Progress | None: ...
+
+    def positions(self, slot: str | None = None) -> list[Progress]: ...
+
+    def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
+        """Store a skip request; returns the one it replaces. Raises ValueError when ``lsn`` is
+        at or behind the recorded position."""
+
+    def table_states(self, slot: str) -> dict[TableName, TableState]: ...
+
+    def deferred_prepared(self, slot: str) -> list[dict[str, Any]]: ...
+
+    def rows(self, table: str, slot: str) -> list[Mapping[str, Any]]: ...
+
+    def count_by_kind(self, table: str, slot: str) -> dict[str, int]: ...
+
+
+def sync_lsns(slot: str, states: dict[TableName, tuple[str, str | None]]) -> dict[TableName, LSN]:
+    """The sync LSN of each copied table; ``SyncIncomplete`` when a copy is unfinished: the target
+    table may hold a partial copy, and changes applied on top of it would leave it wrong for good."""
+    unfinished = sorted(name for name, (state, _) in states.items() if state != "done")
+    if unfinished:
+        listed = ", ".join(f"{s}.{t}" for s, t in unfinished[:10])
+        raise SyncIncomplete(f"the initial copy for slot {slot!r} is unfinished ({len(unfinished)} "
+                             f"table(s): {listed}); run applier sync to finish it before "
+                             "applier run")
+    return {name: LSN.parse(lsn) for name, (_, lsn) in states.items() if lsn is not None}

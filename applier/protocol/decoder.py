@@ -21,15 +21,15 @@ environment to keep ``decode`` off the accelerator (to rule it out when chasing 
 
 from __future__ import annotations
 
-import os
 import struct
 from collections.abc import Callable
 from typing import Final
 
+from ..implementation import accelerator
 from .errors import DecodeError
 from .lsn import LSN, PG_EPOCH, pg_timestamp
 from .messages import (
-    UNCHANGED_TOAST, Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message,
+    UNCHANGED_TOAST, Begin, BeginPrepare, MessageType, Commit, CommitPrepared, Delete, Insert, Message,
     Origin, Prepare, Relation, RelationColumn, ReplicationMessage, RollbackPrepared,
     StreamAbort, StreamCommit, StreamPrepare, StreamStart, StreamStop, Truncate, TupleData,
     Type, Update,
@@ -43,14 +43,7 @@ _u64 = struct.Struct(">Q").unpack_from
 _i64 = struct.Struct(">q").unpack_from
 
 #: Type byte -> snake_case message name (as used in errors and by ``applier peek``).
-MESSAGE_NAMES: Final[dict[int, str]] = {
-    ord("B"): "begin", ord("C"): "commit", ord("O"): "origin", ord("R"): "relation",
-    ord("Y"): "type", ord("I"): "insert", ord("U"): "update", ord("D"): "delete",
-    ord("T"): "truncate", ord("M"): "message", ord("S"): "stream_start",
-    ord("E"): "stream_stop", ord("c"): "stream_commit", ord("A"): "stream_abort",
-    ord("b"): "begin_prepare", ord("P"): "prepare", ord("K"): "commit_prepared",
-    ord("r"): "rollback_prepared", ord("p"): "stream_prepare",
-}
+MESSAGE_NAMES: Final[dict[int, str]] = {int(t): t.type_name for t in MessageType}
 
 _N, _K, _O = ord("N"), ord("K"), ord("O")
 _TEXT, _BINARY, _NULL, _UNCHANGED = ord("t"), ord("b"), ord("n"), ord("u")
@@ -381,13 +374,16 @@ def _rollback_prepared(buf: bytes, in_stream: bool) -> RollbackPrepared:
 
 
 _PURE_HANDLERS: Final[dict[int, Callable[[bytes, bool], ReplicationMessage]]] = {
-    ord("I"): _insert, ord("U"): _update, ord("D"): _delete,
-    ord("B"): _begin, ord("C"): _commit, ord("O"): _origin, ord("R"): _relation,
-    ord("Y"): _type, ord("T"): _truncate, ord("M"): _message, ord("S"): _stream_start,
-    ord("E"): _stream_stop, ord("c"): _stream_commit, ord("A"): _stream_abort,
-    ord("b"): _begin_prepare, ord("P"): _prepare_like(Prepare, "prepare"),
-    ord("K"): _commit_prepared, ord("r"): _rollback_prepared,
-    ord("p"): _prepare_like(StreamPrepare, "stream_prepare"),
+    MessageType.INSERT: _insert, MessageType.UPDATE: _update, MessageType.DELETE: _delete,
+    MessageType.BEGIN: _begin, MessageType.COMMIT: _commit, MessageType.ORIGIN: _origin,
+    MessageType.RELATION: _relation, MessageType.TYPE: _type, MessageType.TRUNCATE: _truncate,
+    MessageType.MESSAGE: _message, MessageType.STREAM_START: _stream_start,
+    MessageType.STREAM_STOP: _stream_stop, MessageType.STREAM_COMMIT: _stream_commit,
+    MessageType.STREAM_ABORT: _stream_abort, MessageType.BEGIN_PREPARE: _begin_prepare,
+    MessageType.PREPARE: _prepare_like(Prepare, "prepare"),
+    MessageType.COMMIT_PREPARED: _commit_prepared,
+    MessageType.ROLLBACK_PREPARED: _rollback_prepared,
+    MessageType.STREAM_PREPARE: _prepare_like(StreamPrepare, "stream_prepare"),
 }
 
 
@@ -395,11 +391,8 @@ def _accelerated() -> Callable[..., ReplicationMessage] | None:
     """The C accelerator's ``decode``, or None when it is absent or disabled. It dispatches in C:
     Begin, Commit, Insert, Update and Delete are decoded there, every other type (and anything
     malformed) by the pure functions here, which it is given."""
-    if os.environ.get("APPLIER_PURE_PYTHON") == "1":
-        return None
-    try:
-        from . import _speedups  # type: ignore[attr-defined]  # built only where a compiler was
-    except ImportError:
+    _speedups = accelerator("protocol._speedups")
+    if _speedups is None:
         return None
     # The C side gets the classes and the pure decoders rather than importing them itself, so it
     # cannot drift from messages.py; on malformed input it calls the fallbacks for the error.

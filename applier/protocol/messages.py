@@ -13,18 +13,54 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import ClassVar, Final, TypeAlias, Union
 
 from .lsn import LSN
 
 __all__ = [
-    "UNCHANGED_TOAST", "Unchanged", "ColumnValue", "TupleData", "RelationColumn",
+    "MessageType", "ROW_CHANGE_TYPES", "UNCHANGED_TOAST", "Unchanged", "ColumnValue", "TupleData", "RelationColumn",
     "Begin", "Commit", "Origin", "Relation", "Type", "Insert", "Update", "Delete", "Truncate",
     "Message", "StreamStart", "StreamStop", "StreamCommit", "StreamAbort", "BeginPrepare",
     "Prepare", "CommitPrepared", "RollbackPrepared", "StreamPrepare", "ReplicationMessage",
     "KIND_NULL", "KIND_UNCHANGED", "KIND_TEXT", "KIND_BINARY",
 ]
+
+
+class MessageType(IntEnum):
+    """The type byte that begins every pgoutput payload, by message name. Code outside
+    ``protocol/`` names types by this enum, never by their byte."""
+
+    BEGIN = ord("B")
+    COMMIT = ord("C")
+    ORIGIN = ord("O")
+    RELATION = ord("R")
+    TYPE = ord("Y")
+    INSERT = ord("I")
+    UPDATE = ord("U")
+    DELETE = ord("D")
+    TRUNCATE = ord("T")
+    MESSAGE = ord("M")
+    STREAM_START = ord("S")
+    STREAM_STOP = ord("E")
+    STREAM_COMMIT = ord("c")
+    STREAM_ABORT = ord("A")
+    BEGIN_PREPARE = ord("b")
+    PREPARE = ord("P")
+    COMMIT_PREPARED = ord("K")
+    ROLLBACK_PREPARED = ord("r")
+    STREAM_PREPARE = ord("p")
+
+    @property
+    def type_name(self) -> str:
+        """The snake_case name used in errors and by ``applier peek`` (``stream_start``)."""
+        return self.name.lower()
+
+
+#: Insert, Update and Delete: the row changes, as plain ints (a payload's first byte is an int,
+#: and testing one against this set is the hot path's cheapest test).
+ROW_CHANGE_TYPES: Final = frozenset(int(t) for t in (MessageType.INSERT, MessageType.UPDATE,
+                                                     MessageType.DELETE))
 
 
 class Unchanged(Enum):

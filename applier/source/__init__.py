@@ -8,7 +8,8 @@ reports is always the one the worker hands it, never its own guess.
 from .options import (
     StreamOptions, UnsupportedOption, max_protocol_version, options_for, resolve_stream_options,
 )
-from .stream import ReplicationStream, SourceError, XLogData
+from ..errors import SourceError
+from .stream import ReplicationStream, XLogData
 
 __all__ = ["ReplicationStream", "SourceError", "XLogData", "StreamOptions", "UnsupportedOption",
            "max_protocol_version", "options_for", "resolve_stream_options"]

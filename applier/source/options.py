@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Settings
+from ..quoting import ident
 
 __all__ = ["StreamOptions", "UnsupportedOption", "max_protocol_version", "options_for",
            "resolve_stream_options"]
@@ -39,7 +40,7 @@ class StreamOptions:
     def sql(self) -> str:
         """The parenthesised option list for START_REPLICATION ... LOGICAL lsn (...)."""
         names = ",".join(self.publications)
-        parts = [f"proto_version '{self.proto_version}'", f"publication_names {_literal(names)}"]
+        parts = [f"proto_version '{self.proto_version}'", f"publication_names {_command_literal(names)}"]
         if self.streaming != "off":
             parts.append(f"streaming '{self.streaming}'")
         if self.two_phase:
@@ -53,7 +54,10 @@ class StreamOptions:
         return "(" + ", ".join(parts) + ")"
 
 
-def _literal(text: str) -> str:
+def _command_literal(text: str) -> str:
+    """A string in a replication command. The walsender's grammar (repl_scanner.l) knows only
+    '...' with '' for a quote: no E'...' strings, which ``psycopg.sql.Literal`` writes for a
+    backslash, so this one literal is not composed with it."""
     return "'" + text.replace("'", "''") + "'"
 
 
@@ -62,7 +66,7 @@ def _quote_publication(name: str) -> str:
     # double quotes inside the string.
     if name.isidentifier() and name == name.lower():
         return name
-    return '"' + name.replace('"', '""') + '"'
+    return ident(name)
 
 
 def resolve_stream_options(server_version_num: int, publications: list[str], *,

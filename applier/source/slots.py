@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import psycopg
 
 from ..protocol.lsn import LSN
-from .stream import SourceError
+from ..queries import rows
+from ..errors import Cause, SourceError, cause_of
 
 __all__ = ["SlotInfo", "slot_info", "create_slot", "publications_missing"]
 
@@ -21,30 +24,35 @@ class SlotInfo:
     active_pid: int | None
     confirmed_flush_lsn: LSN | None
     restart_lsn: LSN | None
+    active: bool = False
+    wal_status: str | None = None
 
 
-def slot_info(conn: psycopg.Connection, slot: str) -> SlotInfo | None:
-    two_phase = "two_phase" if conn.info.server_version >= 140000 else "false"
-    row = conn.execute(
-        f"SELECT slot_name, plugin, database, {two_phase}, active_pid, "
-        "confirmed_flush_lsn::text, restart_lsn::text FROM pg_catalog.pg_replication_slots "
-        "WHERE slot_name = %s", (slot,)).fetchone()
-    if row is None:
+def slot_info(conn: Any, slot: str) -> SlotInfo | None:
+    """The slot as ``pg_replication_slots`` shows it (a psycopg or a SQLAlchemy connection)."""
+    found = rows(conn, "SELECT slot_name, plugin, database, two_phase, active_pid, "
+                       "confirmed_flush_lsn::text, restart_lsn::text, active, wal_status "
+                       "FROM pg_catalog.pg_replication_slots WHERE slot_name = %(slot)s",
+                 {"slot": slot})
+    if not found:
         return None
+    row = found[0]
     return SlotInfo(row[0], row[1], row[2], bool(row[3]), row[4],
-                    LSN.parse(row[5]) if row[5] else None, LSN.parse(row[6]) if row[6] else None)
+                    LSN.parse(row[5]) if row[5] else None, LSN.parse(row[6]) if row[6] else None,
+                    bool(row[7]), row[8])
 
 
 def create_slot(conn: psycopg.Connection, slot: str, two_phase: bool) -> SlotInfo:
     """Create a pgoutput logical slot (two_phase when asked and supported)."""
     if two_phase and conn.info.server_version < 150000:
-        raise SourceError("two-phase slots need PostgreSQL 15 or later", permanent=True)
+        raise SourceError("two-phase slots need PostgreSQL 15 or later", cause=Cause.NEEDS_OPERATOR)
     args = "%s, 'pgoutput', false, true" if two_phase else "%s, 'pgoutput'"
     try:
         conn.execute(f"SELECT pg_catalog.pg_create_logical_replication_slot({args})", (slot,))
     except psycopg.Error as exc:
         raise SourceError(f"source: cannot create slot {slot!r}: {str(exc).strip()}",
-                          permanent=True, sqlstate=exc.sqlstate) from exc
+                          cause=cause_of(exc, side="source") or Cause.NEEDS_OPERATOR,
+                          sqlstate=exc.sqlstate) from exc
     info = slot_info(conn, slot)
     assert info is not None
     return info

@@ -19,18 +19,19 @@ import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import psycopg
 from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
+from ..errors import Cause, SourceError, cause_of, cause_of_sqlstate
 from ..libpq import Binding
 from ..protocol.lsn import LSN, PG_EPOCH
+from ..quoting import ident
 from .options import StreamOptions
 
-__all__ = ["ReplicationStream", "SourceError", "XLogData", "classify", "is_permanent",
+__all__ = ["ReplicationStream", "SourceError", "XLogData", "classify",
            "replication_conninfo"]
 
 log = logging.getLogger(__name__)
@@ -79,38 +80,7 @@ def _take_frames_python(pgconn: pq.abc.PGconn, batch: list[bytes],
     return outcome, received, -1 if last is None else _XLOGDATA_START(last, 1)[0], other
 
 
-def _load_frames() -> ModuleType | None:
-    try:
-        from . import _frames  # type: ignore[attr-defined]  # built only where a compiler was
-    except ImportError:
-        return None
-    return _frames
-
-
-_frames_binding = Binding("replication frame reader", _load_frames, ("PQgetCopyData", "PQfreemem"))
-
-#: SQLSTATEs after which retrying cannot help: the operator must act.
-PERMANENT_SQLSTATES = {
-    "42704": "does not exist",            # slot or publication missing
-    "28P01": "authentication failed",
-    "28000": "authorization failed",
-    "55006": "object in use",             # slot active for another process
-    "3D000": "database does not exist",
-    "42501": "insufficient privilege",
-    "0A000": "feature not supported",
-    "22023": "invalid parameter value",
-    "42710": "duplicate object",
-}
-
-
-class SourceError(Exception):
-    """A source-side failure. ``permanent`` means retrying cannot help."""
-
-    def __init__(self, message: str, *, permanent: bool, sqlstate: str | None = None) -> None:
-        super().__init__(message)
-        self.permanent = permanent
-        self.sqlstate = sqlstate
-
+_frames_binding = Binding("replication frame reader", "source._frames", ("PQgetCopyData", "PQfreemem"))
 
 @dataclass(frozen=True, slots=True)
 class XLogData:
@@ -130,26 +100,15 @@ def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
     return make_conninfo(**params)
 
 
-#: libpq's own words for connection failures an operator must fix (no SQLSTATE reaches the
-#: client when the server refuses a connection during start-up).
-_PERMANENT_CONNECTION_FAILURES = ("authentication failed", "does not exist", "no pg_hba.conf entry",
-                                  "permission denied", "password is required")
-
-
-def is_permanent(exc: psycopg.Error) -> bool:
-    """Retrying cannot help: bad credentials, a missing role/database/slot/publication..."""
-    sqlstate = getattr(exc, "sqlstate", None)
-    if sqlstate is not None:
-        return sqlstate in PERMANENT_SQLSTATES
-    text = str(exc)
-    return any(words in text for words in _PERMANENT_CONNECTION_FAILURES)
-
-
 def classify(exc: psycopg.Error) -> SourceError:
-    sqlstate = getattr(exc, "sqlstate", None)
-    permanent = is_permanent(exc)
+    """A psycopg error of the source as a ``SourceError`` (its cause read by the error policy)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return SourceError(f"source: {text}", permanent=permanent, sqlstate=sqlstate)
+    return SourceError(f"source: {text}", cause=cause_of(exc, side="source") or Cause.LOST_CONNECTION,
+                       sqlstate=exc.sqlstate)
+
+
+def _cause(sqlstate: str | None) -> Cause:
+    return cause_of_sqlstate(sqlstate, side="source") if sqlstate else Cause.LOST_CONNECTION
 
 
 class ReplicationStream:
@@ -184,7 +143,7 @@ class ReplicationStream:
     @property
     def connection(self) -> psycopg.Connection:
         if self._conn is None:
-            raise SourceError("replication connection is not open", permanent=False)
+            raise SourceError("replication connection is not open", cause=Cause.LOST_CONNECTION)
         return self._conn
 
     def server_version(self) -> int:
@@ -218,14 +177,14 @@ class ReplicationStream:
     def _start(self, start_lsn: LSN) -> None:
         self.flush_lsn = max(self.flush_lsn, start_lsn)
         self.received_lsn = max(self.received_lsn, start_lsn)
-        command = (f"START_REPLICATION SLOT {_quote_ident(self.slot)} LOGICAL {start_lsn} "
+        command = (f"START_REPLICATION SLOT {ident(self.slot)} LOGICAL {start_lsn} "
                    f"{self.options.sql()}")
         log.debug("source: %s", command)
         pgconn = self.connection.pgconn
         try:
             pgconn.send_query(command.encode())
         except psycopg.Error as exc:
-            raise SourceError(f"source: {exc}", permanent=False) from exc
+            raise SourceError(f"source: {exc}", cause=Cause.LOST_CONNECTION) from exc
         result = pgconn.get_result()
         if result is None or result.status != pq.ExecStatus.COPY_BOTH:
             while pgconn.get_result() is not None:  # drain, so the connection can be used again
@@ -234,7 +193,7 @@ class ReplicationStream:
             sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
             state = sqlstate.decode() if sqlstate else None
             raise SourceError(f"source: START_REPLICATION failed: {message or pgconn.error_message.decode(errors='replace')}",
-                              permanent=state in PERMANENT_SQLSTATES, sqlstate=state)
+                              cause=_cause(state), sqlstate=state)
         pgconn.nonblocking = 1
         self._last_status = time.monotonic()
 
@@ -364,7 +323,7 @@ class ReplicationStream:
                 self.send_status()
             return
         raise SourceError(f"source: unexpected CopyData message type {chr(kind)!r} of {len(frame)} "
-                          "bytes", permanent=True)
+                          "bytes", cause=Cause.PROTOCOL)
 
     def _received(self, position: int) -> None:
         if position > self.received_lsn:
@@ -380,7 +339,7 @@ class ReplicationStream:
             raw = result.error_field(pq.DiagnosticField.SQLSTATE)
             state = raw.decode() if raw else None
         message = message or pgconn.error_message.decode(errors="replace").strip() or "the server ended the stream"
-        raise SourceError(f"source: {message}", permanent=state in PERMANENT_SQLSTATES, sqlstate=state)
+        raise SourceError(f"source: {message}", cause=_cause(state), sqlstate=state)
 
     def confirm(self, flush_lsn: LSN) -> None:
         """Record a position durable on the target; the next status update reports it."""
@@ -404,12 +363,10 @@ class ReplicationStream:
         pgconn = self.connection.pgconn
         if pgconn.put_copy_data(message) != 1:
             raise SourceError(f"source: could not send status update: "
-                              f"{pgconn.error_message.decode(errors='replace').strip()}", permanent=False)
+                              f"{pgconn.error_message.decode(errors='replace').strip()}",
+                              cause=Cause.LOST_CONNECTION)
         while pgconn.flush() == 1:
             select.select([], [pgconn.socket], [], 1.0)
         self._last_status = time.monotonic()
         self._reported_flush_lsn = self.flush_lsn
 
-
-def _quote_ident(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import psycopg
 
-from ..apply.relations import quote_ident
+from ..quoting import ident
 from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
 from .relay import relay
 from .snapshot import ExportedSnapshot, source_session
-from .state import mark_done, record_copy_transaction
+from ..progress.bookkeeping import SqlBookkeeping
 from .target import TargetPlan, build_secondary_indexes, target_session
 
 __all__ = ["CopyFailed", "CopyStopped", "CopyTask", "plan_tasks", "source_copy_sql", "copy_tables"]
@@ -71,7 +71,7 @@ def plan_tasks(plans: list[TargetPlan], range_size: int, block_size: int) -> lis
 def source_copy_sql(task: CopyTask) -> str:
     """COPY ... TO STDOUT of exactly the rows and columns the stream publishes, for one range."""
     table = task.plan.table
-    columns = ", ".join(quote_ident(c) for c in table.columns)
+    columns = ", ".join(ident(c) for c in table.columns)
     conditions = [f"({table.row_filter})"] if table.row_filter else []
     if task.first_block is not None:
         conditions.append(f"ctid >= '({task.first_block},0)'::pg_catalog.tid")
@@ -88,7 +88,7 @@ def source_copy_sql(task: CopyTask) -> str:
 
 
 def target_copy_sql(plan: TargetPlan) -> str:
-    columns = ", ".join(quote_ident(c) for c in plan.table.columns)
+    columns = ", ".join(ident(c) for c in plan.table.columns)
     options = " (FORMAT binary)" if plan.binary else ""
     return f"COPY {plan.table.sql_name} ({columns}) FROM STDIN{options}"
 
@@ -155,7 +155,7 @@ class _Copier:
         whole = task.first_block is None and task.end_block is None
         try:
             with target.transaction():
-                record_copy_transaction(target, self.slot)
+                SqlBookkeeping(target).record_copy_transaction(self.slot)
                 # Ranges of one table commit apart, so only a table copied whole in this one
                 # transaction can have its indexes built after its data.
                 rebuilt = drop_indexes(target, task.plan.table) if whole else []
@@ -180,7 +180,8 @@ class _Copier:
             build_secondary_indexes(target, plan)
         rows, nbytes, seconds = self.progress.table_finished(plan.table.key)
         with target.transaction():
-            mark_done(target, self.slot, plan.table.key, self.snapshot.consistent_point, rows, nbytes)
+            SqlBookkeeping(target).mark_done(self.slot, plan.table.key, self.snapshot.consistent_point,
+                                             rows, nbytes)
         log.info("copied %s: %d rows, %d bytes (%s COPY) in %.1f s (%.0f rows/s); sync LSN %s",
                  plan.table.sql_name, rows, nbytes, "binary" if plan.binary else "text", seconds,
                  rows / max(seconds, 1e-9), self.snapshot.consistent_point)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import psycopg
 
-from ..apply.relations import quote_ident
+from ..quoting import ident
 from .catalog import PublishedTable
 
 __all__ = ["RebuiltIndex", "drop_indexes", "rebuild_indexes"]
@@ -62,19 +62,19 @@ def drop_indexes(target: psycopg.Connection, table: PublishedTable) -> list[Rebu
     rebuilt = []
     for name, constraint, indexdef, constraintdef, replident, clustered, _ in indexes:
         if constraint is not None:
-            drop = f"ALTER TABLE {table.sql_name} DROP CONSTRAINT {quote_ident(constraint)}"
-            create = [f"ALTER TABLE {table.sql_name} ADD CONSTRAINT {quote_ident(constraint)} "
+            drop = f"ALTER TABLE {table.sql_name} DROP CONSTRAINT {ident(constraint)}"
+            create = [f"ALTER TABLE {table.sql_name} ADD CONSTRAINT {ident(constraint)} "
                       f"{constraintdef}"]
             built_as = constraint  # ADD CONSTRAINT names the new index after the constraint
         else:
-            drop = f"DROP INDEX {quote_ident(table.schema)}.{quote_ident(name)}"
+            drop = f"DROP INDEX {ident(table.schema)}.{ident(name)}"
             create = [indexdef]  # schema-qualified: the session's search_path is empty
             built_as = name
         if replident and identity_by_index:
             create.append(f"ALTER TABLE {table.sql_name} REPLICA IDENTITY USING INDEX "
-                          f"{quote_ident(built_as)}")
+                          f"{ident(built_as)}")
         if clustered:
-            create.append(f"ALTER TABLE {table.sql_name} CLUSTER ON {quote_ident(built_as)}")
+            create.append(f"ALTER TABLE {table.sql_name} CLUSTER ON {ident(built_as)}")
         rebuilt.append(RebuiltIndex(drop, create))
     try:
         with target.transaction():  # a savepoint: an unforeseen dependency leaves the indexes be

@@ -104,12 +104,4 @@ def _error_message(conn: psycopg.Connection) -> str:
     return conn.pgconn.get_error_message(conn.info.encoding).strip() or "connection lost"
 
 
-def _load() -> ModuleType | None:
-    try:
-        from . import _relay  # type: ignore[attr-defined]  # built only where a compiler was
-    except ImportError:
-        return None
-    return _relay
-
-
-_binding = Binding("COPY relay", _load, _FUNCTIONS)
+_binding = Binding("COPY relay", "sync._relay", _FUNCTIONS)

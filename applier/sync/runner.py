@@ -22,7 +22,9 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ..config import Settings, mask_dsn
-from ..progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.lock import AlreadyRunning, WorkerLock
+from ..progress.schema import SchemaError, make_engine, upgrade_schema
 from ..source import SourceError
 from ..source.slots import publications_missing, slot_info
 from ..worker import run
@@ -31,7 +33,6 @@ from .copy import CopyFailed, CopyStopped, copy_tables, plan_tasks
 from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
-from .state import read_states, start_copies
 from .target import TargetCheckError, is_empty, prepare_targets, target_session
 
 __all__ = ["Syncer", "run_sync"]
@@ -108,7 +109,8 @@ class Syncer:
                                   "needs a pgoutput slot", permanent=True)
             fresh = info is None
             tables = published_tables(control, settings.publication)
-            states = read_states(engine, self.slot)
+            with engine.connect() as conn:
+                states = SqlBookkeeping(conn).table_states(self.slot)
             # A new slot starts a new history: whatever an older slot of this name copied is stale.
             done = set() if fresh else {k for k, s in states.items() if s.state == "done"}
             todo = [t for t in tables if t.key not in done]
@@ -118,7 +120,8 @@ class Syncer:
             plans = prepare_targets(control, target, engine, todo, create_tables=settings.create_tables)
             self._check_empty(target, todo, {k for k, s in states.items() if s.state == "copying"})
             with target.transaction():
-                start_copies(target, self.slot, [t.key for t in todo], forget_position=fresh)
+                SqlBookkeeping(target).start_copies(self.slot, [t.key for t in todo],
+                                                    forget_position=fresh)
                 if todo:
                     target.execute("TRUNCATE " + ", ".join(t.sql_name for t in todo))
             block_size = int(control.execute("SELECT pg_catalog.current_setting('block_size')")

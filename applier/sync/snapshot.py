@@ -20,9 +20,10 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..apply.relations import quote_ident
+from ..quoting import ident
 from ..protocol.lsn import LSN
-from ..source.stream import SourceError, classify, replication_conninfo
+from ..errors import Cause, SourceError
+from ..source.stream import classify, replication_conninfo
 
 __all__ = ["ExportedSnapshot", "source_session", "temporary_slot_name"]
 
@@ -62,7 +63,7 @@ class ExportedSnapshot:
     def create(cls, dsn: str, slot: str, *, temporary: bool, two_phase: bool) -> ExportedSnapshot:
         conn = psycopg.connect(replication_conninfo(dsn), autocommit=True)
         version = conn.info.server_version
-        command = f"CREATE_REPLICATION_SLOT {quote_ident(slot)}"
+        command = f"CREATE_REPLICATION_SLOT {ident(slot)}"
         if temporary:
             command += " TEMPORARY"
         if version >= 150000:
@@ -70,7 +71,7 @@ class ExportedSnapshot:
             command += f" LOGICAL pgoutput ({', '.join(options)})"
         elif two_phase:
             conn.close()
-            raise SourceError("two-phase slots need PostgreSQL 15 or later", permanent=True)
+            raise SourceError("two-phase slots need PostgreSQL 15 or later", cause=Cause.NEEDS_OPERATOR)
         else:
             command += " LOGICAL pgoutput EXPORT_SNAPSHOT"
         try:
@@ -79,7 +80,7 @@ class ExportedSnapshot:
             conn.close()
             error = classify(exc)
             raise SourceError(f"source: cannot create slot {slot!r}: {str(exc).strip()}",
-                              permanent=error.permanent, sqlstate=error.sqlstate) from exc
+                              cause=error.cause, sqlstate=error.sqlstate) from exc
         assert row is not None
         snapshot = cls(slot, temporary, LSN.parse(row[1]), row[2], conn)
         log.info("created %sslot %r at %s with exported snapshot %s",

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import psycopg
 from sqlalchemy import Connection, Engine
 
-from ..apply.relations import MissingTargetTable, TargetTable, quote_ident, reflect_table
+from ..apply.mapping import MissingTargetTable, TargetTable, reflect_table
+from ..quoting import ident
 from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
 
 __all__ = ["TargetCheckError", "TargetPlan", "prepare_targets", "target_session", "is_empty",
@@ -89,7 +90,7 @@ def _plan(source: psycopg.Connection, target: psycopg.Connection, catalog: Conne
 
 def _create(target: psycopg.Connection, table: PublishedTable, definition: TableDefinition) -> None:
     with target.transaction():
-        target.execute(f"CREATE SCHEMA IF NOT EXISTS {quote_ident(table.schema)}")
+        target.execute(f"CREATE SCHEMA IF NOT EXISTS {ident(table.schema)}")
         try:
             target.execute(definition.create_table)
             for statement in definition.key_indexes:
@@ -108,7 +109,7 @@ def _column_problems(table: PublishedTable, existing: TargetTable) -> list[str]:
         column = existing.columns.get(name)
         if column is None or column.generated:
             what = "has no column" if column is None else "has only a generated column"
-            problems.append(f"target table {table.sql_name} {what} {quote_ident(name)} that the "
+            problems.append(f"target table {table.sql_name} {what} {ident(name)} that the "
                             "source publishes")
     return problems
 
@@ -139,5 +140,5 @@ def build_secondary_indexes(target: psycopg.Connection, plan: TargetPlan) -> Non
             target.execute(statement)
         except psycopg.Error as exc:
             # Not needed for correctness (the key exists): say so and carry on.
-            log.warning("could not build index %s on %s: %s (%s)", quote_ident(name),
+            log.warning("could not build index %s on %s: %s (%s)", ident(name),
                         plan.table.sql_name, str(exc).strip(), statement)

@@ -11,7 +11,7 @@ from replication import assert_same_rows, replicated_table, run_worker, wait_for
 
 from applier.config import load_settings
 from applier.headstart import start_early
-from applier.progress.store import WorkerLock
+from applier.progress.lock import WorkerLock
 from applier.worker import Worker, run
 
 pytestmark = pytest.mark.server

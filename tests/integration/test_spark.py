@@ -17,7 +17,7 @@ import pytest
 
 pyspark = pytest.importorskip("pyspark")
 
-from applier.progress.store import make_engine, upgrade_schema  # noqa: E402
+from applier.progress.schema import make_engine, upgrade_schema  # noqa: E402
 from applier.spark import spark_session  # noqa: E402
 from applier.spark.reader import open_snapshot, read_table, read_tables, source_position  # noqa: E402
 

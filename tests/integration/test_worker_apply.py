@@ -320,7 +320,7 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
     into COPYs of 10,000 rows (far cheaper for the target than COPYs of 2,000); between whole
     small transactions it keeps parts of at most 2,000 rows. Without the lane (no C compiler at
     install, or APPLIER_PURE_PYTHON=1) the ordinary path keeps every part at 2,000 rows."""
-    from applier.apply.sink import INSERT_PART_ROWS, PART_ROWS
+    from applier.apply.fastpath import INSERT_PART_ROWS, PART_ROWS
     for db in (source_db, target_db):
         db.execute("CREATE TABLE big (id int PRIMARY KEY, v text)")
         db.execute("CREATE TABLE small (id int PRIMARY KEY)")
@@ -344,8 +344,8 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
 
 
 def test_the_reflector_reads_every_table_over_one_connection(target_db) -> None:
-    from applier.apply.relations import MissingTargetTable, Reflector
-    from applier.progress.store import make_engine
+    from applier.apply.mapping import MissingTargetTable, Reflector
+    from applier.progress.schema import make_engine
 
     target_db.execute("CREATE TABLE r1 (id int PRIMARY KEY, v text); CREATE TABLE r2 (a int, b int); "
                       "CREATE TABLE r3 (k text PRIMARY KEY)")

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
 
-from applier.apply.session import TargetSession
-from applier.progress.store import WorkerLock, make_engine, upgrade_schema
-from applier.progress.store import SCHEMA_HEAD
+from applier.apply.target import TargetSession
+from applier.apply.transaction import TargetTransaction
+from applier.progress.postgres import PostgresApplyStore
+from applier.progress.records import AppliedPosition
+from applier.progress.lock import WorkerLock
+from applier.progress.schema import SCHEMA_HEAD, make_engine, upgrade_schema
 from applier.protocol.lsn import LSN
 
 pytestmark = pytest.mark.server
@@ -100,7 +103,7 @@ def test_authentication_failure_is_permanent_and_named(source_db, target_db) -> 
     assert "reconnecting" not in proc.stderr  # permanent: no retry loop
 
 
-def test_flush_wal_makes_asynchronous_commits_durable_at_once(target_db) -> None:
+def test_make_durable_makes_asynchronous_commits_durable_at_once(target_db) -> None:
     """What the worker does when the stream pauses after commits made with synchronous_commit
     off: the progress row written again, unchanged, in a durable transaction, after which the
     target's WAL is on disk past those commits. The WAL writer is told to wait 10 s here, so it
@@ -110,8 +113,10 @@ def test_flush_wal_makes_asynchronous_commits_durable_at_once(target_db) -> None
         admin.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
         admin.execute("SELECT pg_reload_conf()")
     session = TargetSession(target_db.dsn, "test flush_wal", synchronous_commit="off")
+    tx = TargetTransaction(session, PostgresApplyStore(session, "s"), AppliedPosition(LSN(0), LSN(0)),
+                           lambda end_lsn, target_lsn: None)
     try:
-        assert not session.flush_wal("s")  # no progress row: nothing to write, nothing flushed
+        assert not tx.make_durable()  # no progress row: nothing to write, nothing flushed
         session.sql("BEGIN")
         session.sql("CREATE TABLE public.flushed (id int)")
         session.sql("INSERT INTO public.flushed SELECT generate_series(1, 10)")
@@ -119,9 +124,9 @@ def test_flush_wal_makes_asynchronous_commits_durable_at_once(target_db) -> None
                     "VALUES ('s', '0/10', '0/20', '2026-01-01')")
         session.sql("COMMIT")
         committed = LSN.parse(session.sql("SELECT pg_catalog.pg_current_wal_insert_lsn()").get_value(0, 0).decode())
-        assert LSN.parse(session.flushed_wal_lsn()) < committed
-        assert session.flush_wal("s")
-        assert LSN.parse(session.flushed_wal_lsn()) >= committed
+        assert session.flushed_wal_lsn() < committed
+        assert tx.make_durable()
+        assert session.flushed_wal_lsn() >= committed
         assert target_db.query("SELECT commit_lsn::text, end_lsn::text, applied_at::date::text "
                                "FROM applier.progress") == [("0/10", "0/20", "2026-01-01")]
     finally:

@@ -90,15 +90,16 @@ def test_origin_name_names_slot_and_database() -> None:
 
 def test_message_prefix_filter() -> None:
     from applier.apply.messages import MessageSink
+    from applier.progress.memory import MemoryStore
     from applier.protocol.messages import Message
 
     def msg(prefix: str) -> Message:
         return Message(None, 1, LSN(1), prefix, b"")
 
-    sink = MessageSink(None, "s", "log", ["app.*", "ops"])  # type: ignore[arg-type]
+    sink = MessageSink(MemoryStore("s"), "log", ["app.*", "ops"])
     assert [sink.wants(msg(p)) for p in ("app.audit", "app", "ops", "opsx")] == [
         True, False, True, False]
-    assert MessageSink(None, "s", "log").wants(msg("anything"))  # type: ignore[arg-type]
+    assert MessageSink(MemoryStore("s"), "log").wants(msg("anything"))
 
 
 def test_sync_takes_every_apply_option_of_run() -> None:

@@ -10,9 +10,11 @@ import pytest
 
 from applier.apply.batch import Batch
 from applier.apply.copy import copy_binary, copy_text_pure
-from applier.apply.relations import RelationMapping, TargetColumn, TargetTable, map_relation
+from applier.apply.fastpath import LaneRoom
+from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.apply.lane import core
 from applier.protocol.decoder import decode_pure
+from applier.protocol.lsn import LSN
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
 import pgoutput_builder as pg
@@ -296,7 +298,7 @@ def test_a_delete_run_in_the_batch_becomes_multi_row_deletes_by_key() -> None:
 
 
 class _PartSink:
-    """The sink side of ``Lane.take`` (applier.apply.lane): rooms as ``TargetApplier.lane_room``
+    """The sink side of ``Lane.take`` (applier.apply.lane): rooms as ``Applier.lane_room``
     computes them (a part of ``part`` rows between whole transactions, of ``part * 5`` inside
     one), and the parts sent."""
 
@@ -305,9 +307,9 @@ class _PartSink:
         self.inserts, self.part = inserts, part
         self.parts: list[int] = []
 
-    def lane_room(self, whole: bool) -> tuple[int, int, int, int, int]:
+    def lane_room(self, whole: bool) -> LaneRoom:
         insert_part = self.part if whole else self.part * 5
-        return 0, self.part, insert_part - self.inserts, BIG, BIG
+        return LaneRoom(LSN(0), self.part, insert_part - self.inserts, BIG, BIG)
 
     def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
                   transactions: int, last: object) -> None:

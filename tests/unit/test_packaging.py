@@ -88,7 +88,7 @@ def test_the_schema_head_constant_is_alembics_head() -> None:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-    from applier.progress.store import MIGRATIONS_DIR, SCHEMA_HEAD
+    from applier.progress.schema import MIGRATIONS_DIR, SCHEMA_HEAD
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))

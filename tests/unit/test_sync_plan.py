@@ -5,7 +5,7 @@ from __future__ import annotations
 from applier.protocol import LSN
 from applier.sync.catalog import PublishedTable
 from applier.sync.copy import CopyTask, plan_tasks, source_copy_sql
-from applier.sync.state import SyncFilter
+from applier.apply.sync_filter import SyncFilter
 from applier.sync.target import TargetPlan
 
 BLOCK = 8192

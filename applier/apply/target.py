@@ -1,5 +1,9 @@
 """The target session: one libpq connection driven at the protocol level for the hot path.
 
+Owns the connection and its settings, running statements (prepared once per session, values as
+bytes), turning every failure into a ``TargetError`` keyed by its SQLSTATE, and opening pipelines
+on it. Must never decide what to run, or when a transaction begins or ends.
+
 Values arrive as bytes and leave as bytes: statements are prepared once and executed with the
 raw parameter values and their formats (text 0 / binary 1), so psycopg's Python-level adaptation
 never touches a row. The session runs like PostgreSQL's own apply worker: replica role (replica
@@ -10,35 +14,33 @@ can hijack a statement.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import psycopg
 from psycopg import pq
 
-from ..source.stream import is_permanent
-from .statements import Statement
+from ..errors import Cause, TargetError, cause_of, cause_of_sqlstate
+from ..protocol.lsn import LSN
+from .pipeline import Pipeline
 
-__all__ = ["TargetSession", "TargetError", "transient_sqlstate"]
+__all__ = ["Preparable", "TargetSession"]
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
-_CONNECTION_SQLSTATE_CLASSES = ("08", "57")  # connection exceptions, operator intervention
-#: A lock wait that timed out (lock_timeout, set while a transaction is applied as it streams) or a
-#: deadlock: another attempt can succeed.
-_LOCK_SQLSTATES = ("55P03", "40P01")
 
 
-def transient_sqlstate(sqlstate: str | None) -> bool:
-    """Whether a statement that failed with ``sqlstate`` may succeed on a new attempt."""
-    return bool(sqlstate) and (sqlstate[:2] in _CONNECTION_SQLSTATE_CLASSES  # type: ignore[index]
-                               or sqlstate in _LOCK_SQLSTATES)
+class Preparable(Protocol):
+    """A statement the session prepares under ``name`` the first time it runs it."""
+
+    @property
+    def name(self) -> bytes: ...
+
+    @property
+    def sql(self) -> str: ...
 
 
-class TargetError(Exception):
-    """A target-side failure; ``transient`` when a reconnect and retry can succeed."""
-
-    def __init__(self, message: str, *, sqlstate: str | None, transient: bool) -> None:
-        super().__init__(message)
-        self.sqlstate = sqlstate
-        self.transient = transient
+def _lost(what: str, message: str) -> TargetError:
+    return TargetError(f"target: connection lost during {what}: {message.strip()}",
+                       cause=Cause.LOST_CONNECTION)
 
 
 class TargetSession:
@@ -48,7 +50,7 @@ class TargetSession:
         except psycopg.OperationalError as exc:
             # Authentication and a missing database need an operator; anything else may pass.
             raise TargetError(f"target: cannot connect: {str(exc).strip()}", sqlstate=exc.sqlstate,
-                              transient=not is_permanent(exc)) from exc
+                              cause=cause_of(exc) or Cause.LOST_CONNECTION) from exc
         self.pgconn = self.conn.pgconn
         self._prepared: set[bytes] = set()
         #: Set while statements sent in a pipeline have results not read yet: called before any
@@ -62,7 +64,8 @@ class TargetSession:
             role = self.conn.info.user
             raise TargetError(f"{exc}. The target role may not act as a replica: run GRANT SET ON "
                               f"PARAMETER session_replication_role TO \"{role}\" as a superuser "
-                              "(PostgreSQL 15+)", sqlstate=exc.sqlstate, transient=False) from exc
+                              "(PostgreSQL 15+)", sqlstate=exc.sqlstate,
+                              cause=Cause.NEEDS_OPERATOR) from exc
         for setting in ("SELECT pg_catalog.set_config('search_path', '', false)",
                         "SET datestyle = ISO", "SET intervalstyle = postgres",
                         f"SET synchronous_commit = {'off' if synchronous_commit == 'off' else 'on'}"):
@@ -77,15 +80,12 @@ class TargetSession:
         if result is not None and result.status in _OK:
             return result
         if result is None or self.pgconn.status != pq.ConnStatus.OK:
-            message = self.pgconn.get_error_message() if hasattr(self.pgconn, "get_error_message") \
-                else self.pgconn.error_message.decode(errors="replace")
-            raise TargetError(f"target: connection lost during {what}: {message.strip()}",
-                              sqlstate=None, transient=True)
+            raise _lost(what, self.pgconn.get_error_message())
         raw_state = result.error_field(pq.DiagnosticField.SQLSTATE)
         sqlstate = raw_state.decode() if raw_state else None
         message = result.error_message.decode(errors="replace").strip()
-        transient = transient_sqlstate(sqlstate)
-        raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, transient=transient)
+        cause = cause_of_sqlstate(sqlstate, side="target") if sqlstate else Cause.REFUSED_DATA
+        raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, cause=cause)
 
     def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
         """Run one statement with text parameters (bookkeeping, transaction control)."""
@@ -94,7 +94,7 @@ class TargetSession:
         try:
             result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
         except psycopg.Error as exc:  # libpq refused to send: the connection is not usable
-            raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
+            raise _lost(sql.split(None, 1)[0], str(exc)) from exc
         return self._check(result, sql.split(None, 1)[0])
 
     def execute(self, sql: str, values: Sequence[bytes | None] = (),
@@ -102,11 +102,14 @@ class TargetSession:
         """Run one unnamed statement with per-parameter formats (bookkeeping with bytea values)."""
         if self.pending is not None:
             self.pending()
-        result = self.pgconn.exec_params(sql.encode(), list(values), None, formats,
-                                         1 if binary_result else 0)
+        try:
+            result = self.pgconn.exec_params(sql.encode(), list(values), None, formats,
+                                             1 if binary_result else 0)
+        except psycopg.Error as exc:
+            raise _lost(sql.split(None, 1)[0], str(exc)) from exc
         return self._check(result, sql.split(None, 1)[0])
 
-    def run(self, statement: Statement, values: Sequence[bytes | None],
+    def run(self, statement: Preparable, values: Sequence[bytes | None],
             formats: Sequence[int]) -> pq.abc.PGresult:
         """Execute a cached statement, preparing it on first use in this session."""
         if self.pending is not None:
@@ -118,25 +121,29 @@ class TargetSession:
                 self._prepared.add(statement.name)
             result = self.pgconn.exec_prepared(statement.name, values, formats)
         except psycopg.Error as exc:
-            raise TargetError(f"target: {exc}", sqlstate=None, transient=True) from exc
+            raise _lost(statement.sql.split(None, 1)[0], str(exc)) from exc
         return self._check(result, statement.sql)
 
-    def flush_wal(self, slot: str) -> bool:
-        """Make every commit that has returned durable now, rather than when the WAL writer gets
-        to it (synchronous_commit = off): the slot's progress row is written again, unchanged,
-        in a transaction committed with synchronous_commit on, so COMMIT returns once the WAL up
-        to its commit record, and so everything before it, is on disk. (A transaction that
-        writes no WAL commits without a flush.) False, and nothing flushed, without that row."""
-        self.sql("BEGIN")
-        self.sql("SET LOCAL synchronous_commit = on")
-        written = self.sql("UPDATE applier.progress SET applied_at = applied_at WHERE slot_name = $1",
-                           [slot.encode()]).command_tuples
-        self.sql("COMMIT")
-        return written == 1
+    def _lsn(self, function: str) -> LSN:
+        value = self.sql(f"SELECT pg_catalog.{function}()").get_value(0, 0)
+        assert value is not None
+        return LSN.parse(value.decode())
 
-    def flushed_wal_lsn(self) -> str:
+    def flushed_wal_lsn(self) -> LSN:
         """The target's WAL position known durable on disk (for synchronous_commit = off)."""
-        return self.sql("SELECT pg_catalog.pg_current_wal_flush_lsn()").get_value(0, 0).decode()
+        return self._lsn("pg_current_wal_flush_lsn")
+
+    def current_wal_insert_lsn(self) -> LSN:
+        """Where the target's WAL ends now: a commit just made is durable once it is flushed here."""
+        return self._lsn("pg_current_wal_insert_lsn")
+
+    def pipeline(self) -> Pipeline:
+        """A pipeline on this connection (not yet entered)."""
+        return Pipeline(self.pgconn)
+
+    @property
+    def closed(self) -> bool:
+        return self.conn.closed or self.conn.broken
 
     @property
     def in_transaction(self) -> bool:

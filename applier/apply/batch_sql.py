@@ -1,0 +1,364 @@
+"""The fast path's ops and the SQL they become: multi-row statements, COPY runs, row counts.
+
+Owns the representation of a recorded change (``Op``) and how runs of ops of one shape turn into
+statements (``Emitter``): the changes of independent tables gathered per table, runs of inserts
+as one COPY (text or binary) or multi-row INSERTs, runs of updates and deletes by key as
+``UPDATE ... FROM (VALUES ...)`` and ``DELETE ... WHERE (key) IN (...)``, each statement with the
+exact number of rows it must affect. Every identifier is composed with ``psycopg.sql``. Must
+never record, fold or send anything (``batch.Batch`` records, the pipeline sends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from psycopg import sql
+
+from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
+from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
+from .mapping import RelationMapping
+from .statements import NEW, OLD, column, delete_sql, placeholder, table, update_sql, on_conflict
+
+__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "INSERT",
+           "KeyRun", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES", "every_column", "in_format",
+           "present_columns"]
+
+INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES = 0, 1, 2, 3, 4, 5, 6
+#: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
+_LADDER = (1000, 100, 10, 1)
+_MAX_PARAMS = 65_000
+#: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
+#: COPY (one more round trip) costs more than the statements it replaces.
+COPY_MIN_ROWS = 200
+
+
+@dataclass(slots=True)
+class Op:
+    kind: int
+    mapping: RelationMapping | None
+    row: TupleData | None          # new row (insert, update) or old row (delete)
+    old: TupleData | None          # update: the old key/row when sent
+    shape: tuple                   # what makes two ops share one statement
+    sql: str = ""                  # SQL_TEXT ops: a statement sent as is (TRUNCATE)
+    run: "Run | KeyRun | None" = None  # COPY, UPDATES and DELETES ops: the run
+
+
+@dataclass(slots=True)
+class BatchStatement:
+    """One statement to send: a cache key for its prepared form, SQL, values and the row count."""
+
+    cache_key: tuple | None        # None: send unprepared (rare statements, COPY)
+    sql: str
+    values: list[bytes | None]
+    formats: list[int]
+    expected_rows: int | None
+    copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its data (text or binary)
+
+
+_ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
+#: Column kind bytes -> parameter formats (b -> 1 binary; t, n -> 0 text), one C call per row.
+FORMATS = bytes(1 if i == KIND_BINARY else 0 for i in range(256))
+
+
+def every_column(width: int) -> tuple[int, ...]:
+    every = _ALL_COLUMNS.get(width)
+    if every is None:
+        every = _ALL_COLUMNS[width] = tuple(range(width))
+    return every
+
+
+def in_format(kinds: bytes, binary: bool) -> bool:
+    """Every value of a row is in the given format (binary, else text) or NULL, none unchanged."""
+    return KIND_UNCHANGED not in kinds and (KIND_TEXT if binary else KIND_BINARY) not in kinds
+
+
+def present_columns(row: TupleData) -> tuple[int, ...]:
+    kinds = row.kinds
+    if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
+        return every_column(len(kinds))
+    return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
+
+
+class Run(Protocol):
+    """Inserts into one table as COPY text lines or (``binary``) COPY binary tuples, each with every
+    column (``_lane.Run``)."""
+
+    data: bytearray
+    columns: int
+    rows: int
+    binary: bool
+
+
+class KeyRun(Protocol):
+    """Updates of every column (``whole_rows``) or deletes of one table by its key, folded by key
+    (``_lane.KeyRun``), values in text or (``binary``) binary; ``len()`` is the rows they change."""
+
+    columns: int
+    keys: tuple[int, ...]
+    whole_rows: bool
+    binary: bool
+    changes: int
+
+    def __len__(self) -> int: ...
+
+    def add(self, values: tuple[bytes | None, ...]) -> None: ...
+
+    def params(self, start: int, stop: int) -> list[bytes | None]: ...
+
+
+class Emitter:
+    """Turns a batch's ops into statements; keeps the SQL text of each shape and row count."""
+
+    def __init__(self, guard: Callable[[str], str] | None = None) -> None:
+        # With update_origin_differs detection: ``guard(xmin)`` is the SQL test that this worker
+        # wrote the row last; updates carry it, so another origin's row changes no row and the
+        # count differs.
+        self._guard = guard
+        self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
+
+    def forget(self, relation_id: int) -> None:
+        """A relation's definition changed: drop the SQL derived from the old one."""
+        self._sql = {k: v for k, v in self._sql.items() if k[0][1] != relation_id}
+
+    def statements(self, all_ops: list[Op | None]) -> Iterator[BatchStatement]:
+        """The batch as statements, grouping consecutive ops of the same shape.
+
+        The changes of independent tables (``TargetTable.independent``) are first gathered per
+        table, each in its own order: source transactions that each touch several tables
+        (pgbench writes four) then still make long runs instead of runs of one. The target
+        transaction's outcome is the same, since only the order between such tables changes and
+        nothing on the target observes it. Any other change (a partitioned table, a table with
+        a replica trigger, TRUNCATE) is a barrier: everything recorded before it goes first.
+
+        Among the gathered tables, those whose changes begin with an open run's COPY go first: a
+        COPY cannot join the pipeline, so one after pipelined statements waits for all of them
+        to finish, while one before them lets them run on while the next part is decoded."""
+        tables: dict[int, list[Op]] = {}  # independent tables' changes, per table
+        in_order: list[Op] = []            # other changes, since the last independent one
+        for op in all_ops:
+            if op is None:
+                continue
+            mapping = op.mapping
+            if mapping is not None and mapping.table.independent:
+                if in_order:
+                    yield from self._runs(in_order)
+                    in_order = []
+                ops = tables.get(mapping.relation.relation_id)
+                if ops is None:
+                    tables[mapping.relation.relation_id] = [op]
+                else:
+                    ops.append(op)
+                continue
+            yield from self._gathered(tables)
+            tables.clear()
+            in_order.append(op)
+        yield from self._runs(in_order)
+        yield from self._gathered(tables)
+
+    def _gathered(self, tables: dict[int, list[Op]]) -> Iterator[BatchStatement]:
+        for ops in sorted(tables.values(), key=lambda ops: ops[0].kind != COPY):
+            yield from self._runs(ops)
+
+    def _runs(self, ops: list[Op]) -> Iterator[BatchStatement]:
+        run: list[Op] = []
+        for op in ops:
+            # shape[-1]: whether ops of that shape may share one multi-row statement.
+            if run and (op.shape != run[0].shape or not op.shape[-1]):
+                yield from self._emit(run)
+                run = []
+            run.append(op)
+        if run:
+            yield from self._emit(run)
+
+    def _emit(self, run: list[Op]) -> Iterator[BatchStatement]:
+        first = run[0]
+        if first.kind == SQL_TEXT:
+            yield BatchStatement(None, first.sql, [], [], None)
+            return
+        if first.kind == COPY:
+            copy_run: Run = first.run  # type: ignore[assignment]
+            assert first.mapping is not None
+            if copy_run.rows:
+                data = copy_binary_data(copy_run.data) if copy_run.binary else copy_run.data
+                yield BatchStatement(None, _copy_sql(first.mapping, copy_run.binary), [], [],
+                                     copy_run.rows, data)
+            return
+        if first.kind == UPDATES or first.kind == DELETES:
+            yield from self._by_key(first)
+            return
+        if first.kind == INSERT and len(run) >= COPY_MIN_ROWS:
+            copy = self._copy(run)
+            if copy is not None:
+                yield copy
+                return
+        for position, size in _chunks(len(run), self._params_per_row(first)):
+            yield self._chunk(run[position:position + size])
+
+    def _by_key(self, op: Op) -> Iterator[BatchStatement]:
+        """A KeyRun as multi-row UPDATEs or DELETEs by key, shaped (and so prepared) as the
+        ordinary path's updates of every column and deletes by key."""
+        run: KeyRun = op.run  # type: ignore[assignment]
+        mapping = op.mapping
+        assert mapping is not None
+        keys = mapping.key_positions
+        relation_id = mapping.relation.relation_id
+        if op.kind == UPDATES:
+            shape: tuple = (UPDATE, relation_id, every_column(run.columns), NEW, keys, True, True)
+            per_row = run.columns + len(keys)
+        else:
+            shape = (DELETE, relation_id, keys, True, True)
+            per_row = len(keys)
+        for position, size in _chunks(len(run), per_row):
+            values = run.params(position, position + size)
+            sql = (self._update_text if op.kind == UPDATES else self._delete_text)(mapping, shape, size)
+            yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
+
+    @staticmethod
+    def _copy(run: list[Op]) -> BatchStatement | None:
+        """The run as one COPY, when every row has every column and all of them in one format
+        (text, or binary for COPY binary)."""
+        mapping = run[0].mapping
+        assert mapping is not None
+        if len(run[0].shape[2]) != len(mapping.target_columns):
+            return None
+        first = run[0].row
+        assert first is not None
+        binary = KIND_BINARY in first.kinds
+        rows = []
+        for op in run:
+            row = op.row
+            assert row is not None
+            if not in_format(row.kinds, binary):
+                return None
+            rows.append(row.values)
+        data = copy_binary_data(copy_binary(rows)) if binary else copy_text(rows)  # type: ignore[arg-type]
+        return BatchStatement(None, _copy_sql(mapping, binary), [], [], len(rows), data)
+
+    @staticmethod
+    def _params_per_row(op: Op) -> int:
+        shape = op.shape
+        if op.kind == INSERT:
+            return len(shape[2])
+        if op.kind == UPDATE:
+            return len(shape[2]) + len(shape[4])
+        return len(shape[2])
+
+    def _chunk(self, chunk: list[Op]) -> BatchStatement:
+        first = chunk[0]
+        mapping = first.mapping
+        assert mapping is not None
+        values: list[bytes | None] = []
+        formats: list[int] = []
+        rows = len(chunk)
+        sql_key = (first.shape, rows)
+        sql = self._sql.get(sql_key)
+        if first.kind == INSERT:
+            present = first.shape[2]
+            for op in chunk:
+                _collect(op.row, present, values, formats)
+            if sql is None:
+                sql = self._sql[sql_key] = _insert_sql(mapping, present, rows)
+        elif first.kind == UPDATE:
+            _, _, assigned, source, key_positions, by_key, _ = first.shape
+            for op in chunk:
+                _collect(op.row, assigned, values, formats)
+                _collect(op.old if source == OLD else op.row, key_positions, values, formats)
+            if sql is None:
+                sql = self._update_text(mapping, first.shape, rows)
+        else:
+            positions = first.shape[2]
+            for op in chunk:
+                _collect(op.row, positions, values, formats)
+            if sql is None:
+                sql = self._delete_text(mapping, first.shape, rows)
+        return BatchStatement(sql_key, sql, values, formats, rows)
+
+    def _update_text(self, mapping: RelationMapping, shape: tuple, rows: int) -> str:
+        sql_key = (shape, rows)
+        sql = self._sql.get(sql_key)
+        if sql is None:
+            _, _, assigned, _, key_positions, by_key, _ = shape
+            sql = _update_sql(mapping, assigned, key_positions, rows, by_key)
+            if self._guard is not None:
+                sql += " AND " + self._guard("t.xmin" if rows > 1 else "xmin")
+            self._sql[sql_key] = sql
+        return sql
+
+    def _delete_text(self, mapping: RelationMapping, shape: tuple, rows: int) -> str:
+        sql_key = (shape, rows)
+        sql = self._sql.get(sql_key)
+        if sql is None:
+            _, _, positions, by_key, _ = shape
+            sql = self._sql[sql_key] = _delete_sql(mapping, positions, rows, by_key)
+        return sql
+
+
+def _chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
+    """(position, size) of the multi-row statements for ``count`` rows: the largest ladder step
+    that fits, under PostgreSQL's limit on parameters per statement."""
+    largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
+    position = 0
+    while position < count:
+        size = next(step for step in (largest, *_LADDER) if step <= largest and step <= count - position)
+        yield position, size
+        position += size
+
+
+def _copy_sql(mapping: RelationMapping, binary: bool) -> str:
+    """COPY of every mapped column, in the source's column order (rows carry all of them)."""
+    return copy_sql(table(mapping), [column(mapping, i) for i in range(len(mapping.target_columns))],
+                    binary)
+
+
+def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],
+             formats: list[int]) -> None:
+    assert row is not None
+    row_values, kinds = row.values, row.kinds
+    if len(positions) == len(row_values):  # every column, in order
+        values.extend(row_values)  # type: ignore[arg-type]
+        formats.extend(kinds.translate(FORMATS))
+        return
+    for i in positions:
+        values.append(row_values[i])  # type: ignore[arg-type]
+        formats.append(1 if kinds[i] == KIND_BINARY else 0)
+
+
+def _rows_of(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> sql.Composable:
+    width = len(positions)
+    return sql.SQL(", ").join(
+        sql.SQL("({})").format(sql.SQL(", ").join(
+            placeholder(mapping, i, r * width + n) for n, i in enumerate(positions, 1)))
+        for r in range(rows))
+
+
+def _insert_sql(mapping: RelationMapping, present: tuple[int, ...], rows: int) -> str:
+    names = [mapping.target_columns[i].name for i in present]
+    return sql.SQL("INSERT INTO {} ({}) VALUES {}{}").format(
+        table(mapping), sql.SQL(", ").join(column(mapping, i) for i in present),
+        _rows_of(mapping, present, rows), on_conflict(mapping, names)).as_string()
+
+
+def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
+                rows: int, by_key: bool) -> str:
+    if rows == 1:
+        return update_sql(mapping, assigned, key_positions, by_key)
+    columns = assigned + key_positions
+    aliases = [sql.SQL(f"v{n}") for n in range(len(columns))]  # our own names: no quotes needed
+    sets = sql.SQL(", ").join(sql.SQL("{} = v.{}").format(column(mapping, i), aliases[n])
+                              for n, i in enumerate(assigned))
+    where = sql.SQL(" AND ").join(
+        sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[len(assigned) + n])
+        for n, i in enumerate(key_positions))
+    return sql.SQL("UPDATE {} AS t SET {} FROM (VALUES {}) AS v({}) WHERE {}").format(
+        table(mapping), sets, _rows_of(mapping, columns, rows), sql.SQL(", ").join(aliases),
+        where).as_string()
+
+
+def _delete_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int, by_key: bool) -> str:
+    if rows == 1:
+        return delete_sql(mapping, positions, by_key)
+    return sql.SQL("DELETE FROM {} WHERE ({}) IN ({})").format(
+        table(mapping), sql.SQL(", ").join(column(mapping, i) for i in positions),
+        _rows_of(mapping, positions, rows)).as_string()

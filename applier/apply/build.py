@@ -1,0 +1,85 @@
+"""Assembling the apply stage for one target session: session, store, owner, handlers, applier.
+
+Owns the order in which the parts are made (the session is tagged with the worker's replication
+origin before the store exists, since the store's progress write then sets the origin's position
+too) and the shape of the second session that applies a streamed transaction as it streams.
+Must never apply anything.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..progress.postgres import PostgresApplyStore
+from ..progress.records import AppliedPosition
+from ..protocol.lsn import LSN
+from .dispatch import Applier
+from .fastpath import BatchLimits
+from .handlers import build_handlers, tag_with_origin
+from .mapping import TargetTable
+from .relations import RelationCache
+from .streaming import LOCK_TIMEOUT
+from .sync_filter import SyncFilter
+from .target import TargetSession
+from .transaction import OnCommit, TargetTransaction
+
+__all__ = ["ApplyOptions", "main_applier", "second_applier"]
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    """What the worker's settings decide about the apply stage."""
+
+    slot: str
+    limits: BatchLimits | None
+    track_target_lsn: bool
+    binary_check: bool
+    two_phase: bool
+    two_phase_mode: str = "auto"
+    replication_origin: str | None = None
+    skip_origins: Sequence[str] = ()
+    message_sink: str = "table"
+    message_prefixes: Sequence[str] = ()
+    conflict_policy: Sequence[str] = ()
+
+
+def main_applier(session: TargetSession, options: ApplyOptions,
+                 reflect: Callable[[str, str], TargetTable], on_commit: OnCommit, *,
+                 careful_until: LSN, warn: Callable[[str], None]) -> Applier:
+    """The applier of the worker's main target session. Raises ValueError for a setting the
+    target cannot honour, ``SyncIncomplete`` while an initial copy is unfinished."""
+    tag, info = tag_with_origin(session, options.slot, options.replication_origin, warn)
+    store = PostgresApplyStore(session, options.slot,
+                               origin_xact_setup=tag.name is not None and tag.xact_setup)
+    applied = store.read_position() or AppliedPosition(LSN(0), LSN(0))
+    tx = TargetTransaction(session, store, applied, on_commit,
+                           track_target_lsn=options.track_target_lsn)
+    handlers = build_handlers(tx, tag, info, two_phase=options.two_phase,
+                              two_phase_mode=options.two_phase_mode,
+                              skip_origins=options.skip_origins, message_sink=options.message_sink,
+                              message_prefixes=options.message_prefixes,
+                              conflict_policy=options.conflict_policy)
+    # Tables copied by applier sync: their changes from before each copy's LSN are in it.
+    sync_filter = SyncFilter(store.table_sync_lsns())
+    return Applier(tx, RelationCache(reflect, binary_check=options.binary_check), handlers,
+                   limits=options.limits, careful_until=careful_until, sync_filter=sync_filter)
+
+
+def second_applier(main: Applier, session: TargetSession,
+                   reflect: Callable[[str, str], TargetTable]) -> Applier:
+    """The applier of a second session of the same worker, for one streamed transaction at a
+    time applied as it streams: the same store shape and conflict detection, a batch that only
+    the Stream Commit commits (parts still go ahead), and ``lock_timeout`` (see ``streaming``)."""
+    assert main.fast is not None
+    session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
+    tag = main.handlers.origins.tag
+    store = PostgresApplyStore(session, main.tx.store.slot,
+                               origin_xact_setup=tag.name is not None and tag.xact_setup)
+    tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
+                           track_target_lsn=main.tx.track_target_lsn)
+    return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check),
+                   main.handlers.for_second_session(tx),
+                   limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf))

@@ -1,0 +1,164 @@
+"""``Bookkeeping`` on PostgreSQL: the ``applier.*`` reads and writes made off the hot path.
+
+Owns the SQL that status, metrics, verify, skip, sync and the Spark reader run against the
+bookkeeping schema, on whatever connection the caller holds: a psycopg connection (inside the
+caller's transaction, as sync's copy transactions need) or a SQLAlchemy connection (whose
+``exec_driver_sql`` takes the same psycopg-style parameters). Reads of tables a newer schema
+version adds check that the table exists, so status works on a target of any schema version.
+Must never commit or roll back the caller's transaction, and must not import SQLAlchemy (``applier
+run`` reads the position with psycopg alone before loading it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from psycopg import sql
+
+from ..protocol.lsn import LSN
+from ..queries import rows
+from .records import AppliedPosition, Progress, TableName
+from .store import TableState
+
+__all__ = ["SqlBookkeeping"]
+
+#: Columns naming the kind of an event row in optional bookkeeping tables, most specific first.
+_KIND_COLUMNS = ("conflict_type", "skip_reason", "kind", "type", "reason")
+
+
+def _lsn(text: str | None) -> LSN | None:
+    return None if text is None else LSN.parse(text)
+
+
+class SqlBookkeeping:
+    """``Bookkeeping`` over ``conn``: a psycopg ``Connection`` or a SQLAlchemy ``Connection``."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _rows(self, query: str | sql.Composable, params: Mapping[str, Any] | Sequence[Any] = ()
+              ) -> list[tuple[Any, ...]]:
+        return rows(self.conn, query, params)
+
+    # -- reads -------------------------------------------------------------------------------------
+    def tables(self) -> set[str]:
+        return {row[0] for row in self._rows(
+            "SELECT c.relname FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p')")}
+
+    def position(self, slot: str) -> AppliedPosition | None:
+        """The slot's recorded position; None when nothing was applied for it yet. Raises
+        ``psycopg.errors.UndefinedTable`` before the bookkeeping schema exists."""
+        rows = self._rows("SELECT commit_lsn::text, end_lsn::text FROM applier.progress "
+                          "WHERE slot_name = %(slot)s", {"slot": slot})
+        return AppliedPosition(LSN.parse(rows[0][0]), LSN.parse(rows[0][1])) if rows else None
+
+    def positions(self, slot: str | None = None) -> list[Progress]:
+        """Every slot's progress (or one slot's); empty before the bookkeeping schema exists."""
+        if "progress" not in self.tables():
+            return []
+        rows = self._rows(
+            "SELECT slot_name, commit_lsn::text, end_lsn::text, commit_time, applied_at "
+            "FROM applier.progress WHERE %(slot)s::text IS NULL OR slot_name = %(slot)s "
+            "ORDER BY slot_name", {"slot": slot})
+        return [Progress(r[0], LSN.parse(r[1]), LSN.parse(r[2]), r[3], r[4]) for r in rows]
+
+    def progress(self, slot: str) -> Progress | None:
+        found = self.positions(slot)
+        return found[0] if found else None
+
+    def table_states(self, slot: str) -> dict[TableName, TableState]:
+        rows = self._rows("SELECT schema_name, table_name, state, sync_lsn::text "
+                          "FROM applier.table_sync WHERE slot_name = %(slot)s", {"slot": slot})
+        return {(r[0], r[1]): TableState(r[2], _lsn(r[3])) for r in rows}
+
+    def deferred_prepared(self, slot: str) -> list[dict[str, Any]]:
+        """Prepared source transactions held in the bookkeeping schema (two-phase mode defer)."""
+        if "prepared_transactions" not in self.tables():
+            return []
+        rows = self._rows(
+            "SELECT source_gid, prepare_time, prepare_lsn::text, changes "
+            "FROM applier.prepared_transactions WHERE slot_name = %(slot)s AND mode = 'defer' "
+            "ORDER BY prepare_lsn", {"slot": slot})
+        return [{"gid": r[0], "prepared": r[1], "prepare_lsn": r[2], "changes": r[3],
+                 "mode": "defer"} for r in rows]
+
+    def _columns(self, table: str) -> list[str]:
+        return [row[0] for row in self._rows(
+            "SELECT attname FROM pg_catalog.pg_attribute WHERE attrelid = "
+            "pg_catalog.to_regclass(%(name)s) AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
+            {"name": sql.Identifier("applier", table).as_string()})]
+
+    def _for_slot(self, columns: list[str]) -> sql.Composable:
+        return sql.SQL(" WHERE slot_name = %(slot)s" if "slot_name" in columns else "")
+
+    def rows(self, table: str, slot: str) -> list[Mapping[str, Any]]:
+        """Every row of an ``applier`` table for the slot, as column -> value."""
+        columns = self._columns(table)
+        query = sql.SQL("SELECT {} FROM {}{}").format(
+            sql.SQL(", ").join(map(sql.Identifier, columns)), sql.Identifier("applier", table),
+            self._for_slot(columns))
+        return [dict(zip(columns, row)) for row in self._rows(query, {"slot": slot})]
+
+    def count_by_kind(self, table: str, slot: str) -> dict[str, int]:
+        """Rows of an event table for the slot, counted by their kind column."""
+        columns = self._columns(table)
+        kind = next((c for c in _KIND_COLUMNS if c in columns), None)
+        name = sql.Identifier("applier", table)
+        if kind is None:
+            total = self._rows(sql.SQL("SELECT count(*) FROM {}{}").format(
+                name, self._for_slot(columns)), {"slot": slot})
+            return {"all": int(total[0][0])}
+        rows = self._rows(sql.SQL("SELECT {}::text, count(*) FROM {}{} GROUP BY 1 ORDER BY 1").format(
+            sql.Identifier(kind), name, self._for_slot(columns)), {"slot": slot})
+        return {str(r[0]): int(r[1]) for r in rows}
+
+    # -- writes --------------------------------------------------------------------------------------
+    def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
+        position = self._rows("SELECT commit_lsn::text FROM applier.progress "
+                              "WHERE slot_name = %(slot)s", {"slot": slot})
+        if position and lsn <= LSN.parse(position[0][0]):
+            raise ValueError(f"slot {slot!r} has already applied everything up to commit LSN "
+                             f"{position[0][0]}; a transaction finishing at {lsn} is behind it and "
+                             "cannot be skipped any more")
+        previous = self._rows("SELECT lsn::text FROM applier.skip_requests WHERE slot_name = %(slot)s",
+                              {"slot": slot})
+        self._rows("INSERT INTO applier.skip_requests (slot_name, lsn) VALUES "
+                   "(%(slot)s, %(lsn)s::pg_lsn) ON CONFLICT (slot_name) DO UPDATE SET "
+                   "lsn = EXCLUDED.lsn, requested_at = now()", {"slot": slot, "lsn": str(lsn)})
+        return LSN.parse(previous[0][0]) if previous else None
+
+    def start_copies(self, slot: str, tables: Iterable[TableName], forget_position: bool) -> None:
+        """Mark ``tables`` as copying (in the caller's transaction, with their truncation).
+
+        ``forget_position``: the slot is about to be created afresh, so the position recorded for
+        an older slot of that name means nothing any more."""
+        for schema, name in tables:
+            self._rows(
+                "INSERT INTO applier.table_sync (slot_name, schema_name, table_name, state) "
+                "VALUES (%(slot)s, %(schema)s, %(name)s, 'copying') "
+                "ON CONFLICT (slot_name, schema_name, table_name) DO "
+                "UPDATE SET state = 'copying', sync_lsn = NULL, rows_copied = NULL, "
+                "bytes_copied = NULL, started_at = now(), finished_at = NULL",
+                {"slot": slot, "schema": schema, "name": name})
+        if forget_position:
+            self._rows("DELETE FROM applier.progress WHERE slot_name = %(slot)s", {"slot": slot})
+            self._rows("DELETE FROM applier.table_sync WHERE slot_name = %(slot)s AND state = 'done'",
+                       {"slot": slot})
+
+    def mark_done(self, slot: str, table: TableName, sync_lsn: LSN, rows: int, nbytes: int) -> None:
+        """In a copy's transaction: the table is copied as of ``sync_lsn``."""
+        self._rows("UPDATE applier.table_sync SET state = 'done', sync_lsn = %(lsn)s::pg_lsn, "
+                   "rows_copied = %(rows)s, bytes_copied = %(bytes)s, finished_at = now() "
+                   "WHERE slot_name = %(slot)s AND schema_name = %(schema)s AND table_name = %(name)s",
+                   {"lsn": str(sync_lsn), "rows": rows, "bytes": nbytes, "slot": slot,
+                    "schema": table[0], "name": table[1]})
+
+    def record_copy_transaction(self, slot: str) -> None:
+        """In a copy's target transaction: note its xid, so that the worker knows the rows it
+        wrote (which carry no replication origin) as its own, not as local writes of another
+        origin."""
+        self._rows("INSERT INTO applier.copy_transactions (slot_name, xid) "
+                   "VALUES (%(slot)s, pg_catalog.txid_current() %% 4294967296) ON CONFLICT DO NOTHING",
+                   {"slot": slot})

@@ -1,0 +1,63 @@
+"""The single-worker lock: one worker per slot and target, ever.
+
+Owns a session advisory lock per slot on the target, held on its own connection for the worker's
+lifetime (PostgreSQL releases it if that connection dies, so a crashed worker never blocks its
+successor). Must never touch the bookkeeping rows.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import psycopg
+
+from ..errors import ApplierError, Cause
+from .schema import LOCK_NAMESPACE
+
+__all__ = ["AlreadyRunning", "WorkerLock"]
+
+
+class AlreadyRunning(ApplierError):
+    """Another worker holds the slot's lock on this target."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.NEEDS_OPERATOR)
+
+
+class WorkerLock:
+    """A session advisory lock per slot on the target, on a connection of its own."""
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self._conn: psycopg.Connection | None = None
+
+    def acquire(self) -> None:
+        conn = psycopg.connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
+        key = self._key()
+        got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_NAMESPACE, key)).fetchone()
+        if not got or not got[0]:
+            holder = conn.execute(
+                "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
+                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+                "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
+                (LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
+            conn.close()
+            who = f" (target backend pid {holder[0]}, {holder[1]!r})" if holder else ""
+            raise AlreadyRunning(f"another applier worker is already running for slot {self.slot!r} "
+                                 f"on this target{who}; stop it first")
+        self._conn = conn
+
+    def release(self) -> None:
+        if self._conn is not None:
+            # Unlocked before closing: the server ends a closed session a moment later, and a
+            # worker taking over at once (applier sync hands over to it) would find it still held.
+            try:
+                self._conn.execute("SELECT pg_advisory_unlock(%s, %s)", (LOCK_NAMESPACE, self._key()))
+            except psycopg.Error:
+                pass  # a connection already lost holds no lock
+            self._conn.close()
+            self._conn = None
+
+    def _key(self) -> int:
+        return zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4

@@ -1,0 +1,7 @@
+"""The replication worker (``applier run``): its life (``lifecycle``), one session at a time
+(``session``), and the stream loop of a session (``loop``).
+"""
+
+from .lifecycle import Worker, WorkerFailed, default_spill_dir, run
+
+__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]

@@ -1,0 +1,210 @@
+"""The replication worker's life: ``applier run`` from start to stop.
+
+A worker consumes one logical replication slot on the source and keeps one target database equal
+to the source's published tables, applying every source transaction exactly once and in commit
+order. Owns the worker's start (bookkeeping schema, the single-worker lock, a skip request given
+on the command line), its sessions one after another (``session.ReplicationSession``), what
+happens between them (the error policy, ``applier.errors``, decides: a new session after a
+backoff, one at once, or a stop with advice), and its stop (SIGTERM or SIGINT end it between
+messages, exit 0). How the data path works is in docs/design.md.
+
+Invariants (the tests kill the worker at random points to check them):
+
+1. A source transaction becomes visible on the target whole or not at all, in source commit
+   order (several consecutive ones may share one target transaction).
+2. The progress row commits in the same target transaction as the data it covers.
+3. The flush position told to the slot never passes a commit that is not durable on the target.
+4. On start, everything at or below the recorded position is skipped; nothing above it is.
+5. When the worker stops on an error, every source transaction before the failing one is
+   committed.
+6. Memory for open streamed transactions is bounded; beyond it, disk; spill files never outlive
+   their transaction or a clean exit.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import signal
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+
+from sqlalchemy import Engine
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
+
+from ..apply.skipping import describe_request
+from ..config import ConfigError, Settings, mask_dsn
+from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decide
+from ..headstart import HeadStart
+from ..ops.metrics import Telemetry
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.lock import WorkerLock
+from ..progress.schema import make_engine, upgrade_schema
+from .loop import StopRequested
+from .session import ReplicationSession, SessionState
+
+__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailed(ApplierError):
+    """A permanent failure: the message says what is wrong and what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.NEEDS_OPERATOR)
+
+
+def _log_retry(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome else None
+    directive = decide(exc) if exc is not None else Directive.RETRY
+    if directive is Directive.REDO_CAREFUL:
+        # Not a failure: a conflict or an unexpected row count in a batch, redone row by row.
+        assert isinstance(exc, ApplyError)
+        log.info("batch rolled back (%s); applying up to %s row by row", exc, exc.careful_until)
+        return
+    if directive is Directive.RESTART_NOW:  # not a failure either: a change of course
+        log.info("%s", exc)
+        return
+    wait = state.next_action.sleep if state.next_action else 0
+    log.warning("session ended: %s; reconnecting in %.1f s (attempt %d)", exc, wait, state.attempt_number)
+
+
+class Worker:
+    def __init__(self, settings: Settings, head_start: HeadStart | None = None) -> None:
+        settings.require("source", "target", "slot", "publication")
+        self.settings = settings
+        # The stream ``applier run`` started before loading the worker: the first session takes
+        # it if it would have started the same one (headstart.py).
+        self._head_start = head_start
+        self.slot: str = settings.slot
+        self.stop_requested = False
+        self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
+        self._engine: Engine | None = None
+        self._state = SessionState()
+        self._failures_without_progress = 0
+        self._stopping = threading.Event()
+        # Metrics, /healthz, /readyz and the slot/LSN/xid of log lines (applier.ops.metrics).
+        self.telemetry = Telemetry.from_settings(settings, self.slot)
+        self._warned: set[str] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        lock = WorkerLock(self.settings.target, self.slot)
+        try:
+            self.telemetry.start()
+            engine = self._engine = make_engine(self.settings.target)
+            self._with_retry(lambda: upgrade_schema(engine))
+            self._with_retry(lock.acquire)
+            log.info("worker for slot %r started: source %s, target %s", self.slot,
+                     mask_dsn(self.settings.source), mask_dsn(self.settings.target))
+            if self.settings.skip_lsn is not None:
+                self._with_retry(self._request_skip)
+            _tune_gc()
+            self._with_retry(self._session)
+            return 0
+        except StopRequested:
+            log.info("stopped on signal")
+            return 0
+        finally:
+            if self._head_start is not None:
+                self._head_start.close()
+            self.telemetry.close()
+            lock.release()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _request_skip(self) -> None:
+        assert self._engine is not None
+        lsn = self.settings.skip_lsn
+        try:
+            with self._engine.begin() as conn:
+                previous = SqlBookkeeping(conn).request_skip(self.slot, lsn)
+        except ValueError as exc:  # already behind the recorded position: nothing left to skip
+            log.warning("--skip-lsn ignored: %s", exc)
+            return
+        log.warning("%s", describe_request(self.slot, lsn, previous))
+
+    def _warn_once(self, text: str) -> None:
+        if text not in self._warned:
+            self._warned.add(text)
+            log.warning("%s", text)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.info("received %s: stopping after the current message", signal.Signals(signum).name)
+        self.stop_requested = True
+        self._stopping.set()  # also ends a backoff sleep at once
+
+    def _backoff(self, state: RetryCallState) -> float:
+        """Exponential backoff over consecutive failures without progress; none before a change
+        of course (a careful redo, a switch to text values, a transaction to be sent again)."""
+        exc = state.outcome.exception() if state.outcome else None
+        if exc is not None and decide(exc) in (Directive.RESTART_NOW, Directive.REDO_CAREFUL):
+            return 0.0
+        if self._state.progressed:
+            self._state.progressed = False
+            self._failures_without_progress = 0
+        self._failures_without_progress += 1
+        return min(30.0, 0.5 * 2 ** (self._failures_without_progress - 1))
+
+    def _with_retry(self, func: Callable[[], object]) -> None:
+        retrying = Retrying(retry=retry_if_exception(lambda exc: decide(exc) is not Directive.STOP),
+                            stop=stop_never, wait=self._backoff, reraise=True,
+                            before_sleep=_log_retry, sleep=self._stopping.wait)
+        for attempt in retrying:
+            with attempt:
+                if self.stop_requested:
+                    raise StopRequested()
+                func()
+
+    def _session(self) -> None:
+        assert self._engine is not None
+        session = ReplicationSession(self.settings, self._state, self._engine, self.telemetry,
+                                     self._head_start, lambda: self.stop_requested,
+                                     self._warn_once, self.spill_dir)
+        try:
+            session.run()
+        except StopRequested:
+            raise
+        except Exception as exc:
+            if decide(exc) is Directive.STOP and cause_of(exc) is not None:
+                raise WorkerFailed(session.describe(exc)) from exc
+            raise
+
+
+def _tune_gc() -> None:
+    """Make the cyclic garbage collector rare on the hot path. Every message, row and batch entry
+    is a short-lived container object, so with the default threshold (700 allocations) the
+    collector runs every few hundred rows, and its older-generation passes walk everything alive:
+    the open batch, the startup's modules (SQLAlchemy, alembic). Those passes cost a third of the
+    time of a large transaction and find nothing (the hot path makes no reference cycles), so:
+    startup objects move to the permanent generation, and a young collection waits for 50,000
+    allocations (a few MB of objects at most)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
+def default_spill_dir(slot: str) -> Path:
+    """Where a slot's streamed transactions spill when --spill-dir is not given."""
+    return Path(tempfile.gettempdir()) / f"applier-spill-{_safe(slot)}"
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
+
+
+def run(settings: Settings, head_start: HeadStart | None = None) -> int:
+    """Entry point of ``applier run``: exit status 0 on a clean stop, 1 on a permanent failure."""
+    try:
+        return Worker(settings, head_start).run()
+    except ConfigError:
+        raise  # the command line reports it, with its usage (exit 2)
+    except Exception as exc:
+        if cause_of(exc) is None:
+            raise  # not a failure of the servers, the stream or the settings: a bug
+        log.error("%s", exc)
+        return 1

@@ -1,0 +1,140 @@
+"""The stream loop of one replication session: read, route, commit at pauses, confirm.
+
+Owns when the fast path's batch commits because the stream paused, when commits made with
+``synchronous_commit = off`` are confirmed to the slot (only once the target reports its WAL
+flushed past them: ``progress.flush.FlushTracker``, invariant 3), confirming the keepalive's WAL
+end when nothing is open, and ``--exit-when-caught-up``. Must never apply or decode anything: the
+ingest gate and the apply stage do.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+
+from ..apply.dispatch import Applier
+from ..assembler import Assembler
+from ..ingest.gate import IngestGate
+from ..progress.flush import FlushTracker
+from ..protocol.lsn import LSN
+from ..source import ReplicationStream
+from ..source.slots import slot_info
+
+__all__ = ["CaughtUp", "StopRequested", "StreamLoop"]
+
+log = logging.getLogger(__name__)
+
+
+class StopRequested(Exception):
+    """SIGTERM or SIGINT: the session ends between messages."""
+
+
+@dataclass
+class CaughtUp:
+    """The source's WAL position when the worker started: --exit-when-caught-up's goal."""
+
+    goal: LSN
+
+
+class StreamLoop:
+    def __init__(self, stream: ReplicationStream, assembler: Assembler, applier: Applier,
+                 gate: IngestGate, control: psycopg.Connection, slot: str,
+                 flushed_wal_lsn: Callable[[], LSN], caught_up: CaughtUp | None,
+                 stop_requested: Callable[[], bool]) -> None:
+        self.stream = stream
+        self.assembler = assembler
+        self.applier = applier
+        self.gate = gate
+        self.control = control
+        self.slot = slot
+        self.flushed_wal_lsn = flushed_wal_lsn
+        self.caught_up = caught_up
+        self.stop_requested = stop_requested
+        #: synchronous_commit = off: commits not known to be on the target's disk yet.
+        self.unflushed = FlushTracker()
+        # The last of those that a durable rewrite of the progress row could not flush (no row to
+        # rewrite: removed by hand?): they are left to the WAL writer, as before every pause.
+        self._rewrite_failed_for: LSN | None = None
+
+    def committed(self, end_lsn: LSN, target_lsn: LSN | None) -> None:
+        """A target commit covering source ``end_lsn`` (the apply stage's ``on_commit``)."""
+        confirm = self.unflushed.committed(end_lsn, target_lsn)
+        if confirm is not None:
+            self.stream.confirm(confirm)
+
+    def run(self) -> None:
+        """Until stopped (``StopRequested``) or, with a goal, caught up."""
+        stream, assembler, applier, unflushed = self.stream, self.assembler, self.applier, self.unflushed
+        last_flush_check = 0.0
+        while not self.stop_requested():
+            # While the fast path holds uncommitted work, only take what has already arrived;
+            # the moment the stream pauses, commit it; likewise make commits still waiting for
+            # the target's WAL flush durable at once when nothing is open. Waiting for the WAL
+            # flush otherwise (a streamed transaction open) or (to exit when caught up) for a
+            # keepalive past the goal, look again soon: a keepalive asked for may still show the
+            # position before the goal. Past the goal already (a start with nothing to do), wait
+            # for nothing before checking the slot.
+            caught_up = self.caught_up
+            past_goal = caught_up is not None and stream.flush_lsn >= caught_up.goal
+            waiting = bool(unflushed) or (caught_up is not None and not past_goal)
+            latest = unflushed.latest
+            flush_at_pause = (latest is not None and assembler.idle
+                              and latest.source_end != self._rewrite_failed_for)
+            pause_settles = applier.holds_uncommitted or flush_at_pause
+            batch = stream.read_batch(timeout=0 if pause_settles or past_goal
+                                      else 0.05 if waiting else 0.5)
+            self.gate.feed(batch)
+            # A streamed transaction may stay open on the source for as long as it likes: what
+            # committed meanwhile is committed here the moment the stream pauses all the same.
+            if not batch and applier.holds_uncommitted and assembler.between_transactions:
+                applier.flush(durable=True)
+            elif not batch and flush_at_pause:
+                # The stream paused after commits made with synchronous_commit off (a batch full
+                # before the pause): make them durable and confirm them now, instead of polling
+                # until the target's WAL writer has flushed them (up to three wal_writer_delay).
+                assert latest is not None
+                if applier.tx.make_durable():
+                    confirmed = unflushed.all_durable()
+                    if confirmed is not None:
+                        stream.confirm(confirmed)
+                else:
+                    self._rewrite_failed_for = latest.source_end
+            if unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
+                confirmed = unflushed.flushed(self.flushed_wal_lsn())
+                if confirmed is not None:
+                    stream.confirm(confirmed)
+                last_flush_check = time.monotonic()
+            if not assembler.idle:
+                continue
+            if not applier.holds_uncommitted and not unflushed:
+                # Nothing open, buffered or unflushed: everything the server sent is applied and
+                # durable, so the position it last reported having sent is safe to confirm too.
+                if stream.keepalive_wal_end > stream.flush_lsn:
+                    stream.confirm(stream.keepalive_wal_end)
+                elif caught_up is not None and stream.flush_lsn < caught_up.goal:
+                    # Ask for a keepalive: its WAL end tells us when nothing more is coming.
+                    stream.send_status(reply_requested=True)
+            # Caught up needs no pause in the stream (a busy source may never pause): only that
+            # the confirmed position passed the goal and the slot has it.
+            if (caught_up is not None and stream.flush_lsn >= caught_up.goal
+                    and self._slot_confirmed(caught_up)):
+                log.info("caught up: the slot confirmed %s", stream.flush_lsn)
+                return
+        raise StopRequested()
+
+    def _slot_confirmed(self, caught_up: CaughtUp) -> bool:
+        """Report the confirmed position and wait (briefly) until the slot shows the goal."""
+        stream = self.stream
+        stream.send_status()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            info = slot_info(self.control, self.slot)
+            if info and info.confirmed_flush_lsn is not None and info.confirmed_flush_lsn >= caught_up.goal:
+                return True
+            time.sleep(0.05)
+            stream.send_status()
+        return False

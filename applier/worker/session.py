@@ -1,0 +1,248 @@
+"""One replication session of the worker: connect, check, build the data path, stream, clean up.
+
+Owns the order of a session's start (target session, source control connection, the slot and
+publications checked, the apply stage built on the recorded position, the stream opened there),
+the data path it wires (stream -> ingest gate -> assembler -> apply -> progress), and tearing all
+of it down whatever happened, each step on its own. A failure leaves as it came (the worker's
+error policy decides what follows), except that one that stops the worker is described for the
+operator: the slot, the last source LSN received, and how to skip a failing transaction. Must
+never retry: the worker does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psycopg
+
+from ..apply.build import ApplyOptions, main_applier, second_applier
+from ..apply.dispatch import Applier
+from ..apply.fastpath import BatchLimits
+from ..apply.mapping import Reflector
+from ..apply.streaming import StreamingApply
+from ..apply.target import TargetSession
+from ..assembler import Assembler
+from ..config import ConfigError, Settings
+from ..errors import ApplyError, Cause, SourceError
+from ..ingest.gate import IngestGate
+from ..protocol.lsn import LSN
+from ..source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
+from ..source.slots import create_slot, publications_missing, slot_info
+from ..source.stream import classify
+from .loop import CaughtUp, StreamLoop
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+    from ..headstart import HeadStart
+    from ..ops.metrics import Telemetry
+
+__all__ = ["ReplicationSession", "SessionState", "summary"]
+
+log = logging.getLogger(__name__)
+
+
+class SessionState:
+    """What outlives one session: decided by an earlier one, or by the worker."""
+
+    def __init__(self) -> None:
+        #: Everything up to this source commit LSN goes through the careful, row-by-row path.
+        self.careful_until = LSN(0)
+        #: --binary auto met a relation whose binary values would not mean the same on the
+        #: target: text values from then on.
+        self.text_values = False
+        #: Streamed xids whose early apply was open when a session ended: applied at their commit.
+        self.refused_early: set[int] = set()
+        self.caught_up: CaughtUp | None = None
+        #: A target transaction committed in the last session (the backoff starts over).
+        self.progressed = False
+
+
+class ReplicationSession:
+    def __init__(self, settings: Settings, state: SessionState, engine: Engine,
+                 telemetry: Telemetry, head_start: HeadStart | None,
+                 stop_requested: Callable[[], bool], warn: Callable[[str], None],
+                 spill_dir: Path) -> None:
+        self.settings = settings
+        self.slot: str = settings.slot
+        self.state = state
+        self.engine = engine
+        self.telemetry = telemetry
+        self.head_start = head_start
+        self.stop_requested = stop_requested
+        self.warn = warn
+        self.spill_dir = spill_dir
+        self.stream: ReplicationStream | None = None
+
+    def run(self) -> None:
+        settings, state = self.settings, self.state
+        target = self._target_session()
+        try:
+            control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
+        except psycopg.Error as exc:
+            target.close()
+            raise classify(exc) from exc
+        stream: ReplicationStream | None = None
+        assembler: Assembler | None = None
+        applier: Applier | None = None
+        early: StreamingApply | None = None
+        loop: StreamLoop | None = None
+        reflector = Reflector(self.engine)
+        try:
+            slot_two_phase = self._check_source(control)
+            try:
+                options = options_for(settings, control.info.server_version, slot_two_phase,
+                                      text_values=state.text_values)
+            except UnsupportedOption as exc:
+                raise ConfigError(str(exc)) from None
+
+            def on_commit(end_lsn: LSN, target_lsn: LSN | None) -> None:
+                state.progressed = True
+                assert loop is not None
+                loop.committed(end_lsn, target_lsn)
+
+            applier = self._applier(target, options, reflector, on_commit)
+            applied = applier.tx.applied
+            stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
+            self.stream = stream
+            started_early = early_position is not None
+            if state.caught_up is None and settings.exit_when_caught_up:
+                state.caught_up = CaughtUp(early_position if early_position is not None
+                                           else stream.identify_system()[2])
+                log.info("will exit once caught up with source position %s", state.caught_up.goal)
+            if settings.streamed_apply == "early" and options.streaming != "off":
+                main = applier
+                early = StreamingApply(
+                    main, lambda: second_applier(main, self._target_session("streamed"), reflector),
+                    state.refused_early)
+            assembler = Assembler(applier, memory_budget=settings.memory_budget,
+                                  spill_dir=self.spill_dir, heartbeat=stream.send_status_if_due,
+                                  early=early)
+            flushed = early.flushed_wal_lsn if early is not None else target.flushed_wal_lsn
+            loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),
+                              control, self.slot, flushed, state.caught_up, self.stop_requested)
+            self.telemetry.attach(stream, assembler, applier)
+            log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
+                     applied.commit_lsn, options.sql(),
+                     ", started while the worker loaded" if started_early else "")
+            if not started_early:
+                stream.start(applied.end_lsn)
+            loop.run()
+        except ApplyError as exc:
+            if exc.careful_until is not None:
+                state.careful_until = LSN(max(state.careful_until, exc.careful_until))
+            if exc.cause is Cause.TEXT_VALUES_NEEDED:
+                state.text_values = True
+            raise
+        finally:
+            # Each step on its own: a failure in one (a dead connection) must not keep the next
+            # from running, above all closing the replication connection, whose walsender
+            # otherwise holds the slot.
+            self.telemetry.detach()
+            steps: list[Callable[[], object]] = []
+            if early is not None:
+                steps.append(early.close)
+            if applier is not None:
+                steps.append(applier.abort_open_transaction)
+            if assembler is not None:
+                steps.append(assembler.close)
+            if stream is not None:
+                steps += [stream.send_status, stream.close]
+            if applier is not None:
+                final = applier
+                steps.append(lambda: log.info("%s", summary(final)))
+            steps += [target.close, control.close, reflector.close]
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - the session is ending; its cause is reported
+                    log.debug("cleanup step %s failed: %s", getattr(step, "__qualname__", step), exc)
+
+    def describe(self, exc: BaseException) -> str:
+        """``exc`` for the operator: where the worker stopped, and how to skip the transaction."""
+        where = f"slot {self.slot!r}"
+        if self.stream is not None:
+            where += f", last received source LSN {self.stream.received_lsn}"
+        text = f"{exc} ({where})"
+        if isinstance(exc, ApplyError) and exc.commit_lsn is not None:
+            text += (f". If this source transaction must not be applied, skip it: applier skip "
+                     f"--target <target DSN> --slot {self.slot} --lsn {exc.commit_lsn} (or start "
+                     f"the worker with --skip-lsn {exc.commit_lsn})")
+        return text
+
+    def _target_session(self, role: str | None = None) -> TargetSession:
+        name = f"applier {self.slot}" + (f" ({role})" if role else "")
+        return TargetSession(self.settings.target, application_name=name,
+                             synchronous_commit=self.settings.synchronous_commit)
+
+    def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
+                 on_commit: Callable[[LSN, LSN | None], None]) -> Applier:
+        settings, state = self.settings, self.state
+        limits = BatchLimits(settings.batch_rows,
+                             min(settings.batch_bytes, settings.memory_budget // 2),
+                             settings.batch_time / 1000)
+        apply_options = ApplyOptions(
+            slot=self.slot, limits=limits, track_target_lsn=settings.synchronous_commit == "off",
+            # auto: binary values until a relation is found not binary-safe (checked per relation).
+            binary_check=settings.binary == "auto" and options.binary,
+            two_phase=options.two_phase, two_phase_mode=settings.two_phase_mode or "auto",
+            replication_origin=settings.replication_origin,
+            skip_origins=settings.skip_origin or (), message_sink=settings.message_sink or "table",
+            message_prefixes=settings.message_prefix or (),
+            conflict_policy=settings.conflict_policy or ())
+        try:
+            return main_applier(target, apply_options, reflector, on_commit,
+                                careful_until=state.careful_until, warn=self.warn)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def _open_stream(self, options: StreamOptions, start_lsn: LSN, encoding: str
+                     ) -> tuple[ReplicationStream, LSN | None]:
+        """The stream started while the worker loaded, if it is the one this session would start,
+        with the source's WAL position noted then; else a new connection, not started yet."""
+        if self.head_start is not None:
+            stream = self.head_start.take(options, start_lsn, encoding)
+            if stream is not None:
+                return stream, self.head_start.source_position
+        stream = ReplicationStream(self.settings.source, self.slot, options,
+                                   status_interval=self.settings.status_interval,
+                                   client_encoding=encoding)
+        stream.connect()
+        return stream, None
+
+    def _check_source(self, control: psycopg.Connection) -> bool:
+        """Slot and publications exist (creating the slot when asked); returns the slot's two_phase."""
+        settings = self.settings
+        info = slot_info(control, self.slot)
+        if info is None:
+            if not settings.create_slot:
+                raise SourceError(f"source: replication slot {self.slot!r} does not exist; create it "
+                                  "with --create-slot (or applier sync)", cause=Cause.NEEDS_OPERATOR)
+            info = create_slot(control, self.slot, two_phase=bool(settings.two_phase))
+            log.info("created slot %r at %s", self.slot, info.confirmed_flush_lsn)
+        elif info.plugin != "pgoutput":
+            raise SourceError(f"source: slot {self.slot!r} uses plugin {info.plugin!r}; applier "
+                              "needs a pgoutput slot", cause=Cause.NEEDS_OPERATOR)
+        missing = publications_missing(control, settings.publication)
+        if missing:
+            raise SourceError(f"source: publication(s) {', '.join(map(repr, missing))} do not exist "
+                              "in the source database; create them (CREATE PUBLICATION) or fix "
+                              "--publication", cause=Cause.NEEDS_OPERATOR)
+        return info.two_phase
+
+
+def summary(applier: Applier) -> str:
+    counts = applier.counts
+    text = (f"this session applied {counts['transactions']} transaction(s): "
+            + ", ".join(f"{counts[kind]} {kind}" for kind in ("insert", "update", "delete", "truncate")))
+    if counts["streamed_early"]:
+        text += f"; {counts['streamed_early']} streamed transaction(s) applied as they streamed"
+    if counts["skipped_origin"]:
+        text += f"; dropped {counts['skipped_origin']} transaction(s) from skipped origins"
+    if applier.conflicts:
+        text += "; conflicts: " + ", ".join(f"{kind} on {table} x{n}"
+                                            for (table, kind), n in sorted(applier.conflicts.items()))
+    return text

@@ -1,8 +1,9 @@
-"""The configuration reference in README.md, generated from ``applier.config.OPTIONS``.
+"""The configuration reference in docs/configuration.md, generated from ``applier.config.OPTIONS``.
 
 Owns the markdown table and the markers it lives between. ``python -m applier.ops.reference``
-rewrites the block in README.md; a test checks the README holds exactly ``config_reference()``.
-Must never describe an option any other way than its ``Option`` does.
+(run from the repository root) rewrites the block in docs/configuration.md; a test checks that
+file holds exactly ``config_reference()``. Must never describe an option any other way than its
+``Option`` does.
 """
 
 from __future__ import annotations
@@ -12,10 +13,14 @@ from pathlib import Path
 
 from ..config import OPTIONS, Option
 
-__all__ = ["BEGIN", "END", "config_reference", "readme_block", "update_readme"]
+__all__ = ["BEGIN", "END", "REFERENCE_PATH", "config_reference", "reference_block",
+           "update_reference"]
 
 BEGIN = "<!-- BEGIN CONFIG REFERENCE: generated from applier/config.py by `python -m applier.ops.reference` -->"
 END = "<!-- END CONFIG REFERENCE -->"
+
+#: Where the reference lives, relative to the repository root.
+REFERENCE_PATH = Path("docs") / "configuration.md"
 
 
 def _default(option: Option) -> str:
@@ -45,29 +50,31 @@ def config_reference() -> str:
     return "\n".join(lines)
 
 
-def readme_block(readme: str) -> str:
-    """The text between the markers in ``readme``."""
+def reference_block(document: str) -> str:
+    """The text between the markers in ``document``."""
     try:
-        start = readme.index(BEGIN) + len(BEGIN)
-        end = readme.index(END, start)
+        start = document.index(BEGIN) + len(BEGIN)
+        end = document.index(END, start)
     except ValueError:
-        raise ValueError(f"README.md lacks the markers {BEGIN!r} ... {END!r}") from None
-    return readme[start:end].strip("\n")
+        raise ValueError(f"{REFERENCE_PATH} lacks the markers {BEGIN!r} ... {END!r}") from None
+    return document[start:end].strip("\n")
 
 
-def update_readme(path: Path) -> bool:
+def update_reference(path: Path) -> bool:
     """Rewrite the block in ``path``; True when it changed."""
-    readme = path.read_text()
-    current = readme_block(readme)
+    document = path.read_text()
+    current = reference_block(document)
     generated = config_reference()
     if current == generated:
         return False
-    start = readme.index(BEGIN) + len(BEGIN)
-    end = readme.index(END, start)
-    path.write_text(readme[:start] + "\n" + generated + "\n" + readme[end:])
+    start = document.index(BEGIN) + len(BEGIN)
+    end = document.index(END, start)
+    path.write_text(document[:start] + "\n" + generated + "\n" + document[end:])
     return True
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("README.md")
-    print(f"{target}: {'updated' if update_readme(target) else 'already current'}")
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else REFERENCE_PATH
+    if not target.is_file():
+        sys.exit(f"{target} does not exist: run this from the repository root, or name the file")
+    print(f"{target}: {'updated' if update_reference(target) else 'already current'}")

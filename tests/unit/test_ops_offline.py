@@ -1,4 +1,4 @@
-"""Operations without a server: lag and its limits, log lines, the README configuration reference."""
+"""Operations without a server: lag and its limits, log lines, the configuration reference."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from applier.config import ConfigError, mask_dsn
 from applier.ops import logs
 from applier.ops.lag import Lag, measure_lag, parse_lag_limit
-from applier.ops.reference import config_reference, readme_block
+from applier.ops.reference import REFERENCE_PATH, config_reference, reference_block
 from applier.protocol.lsn import LSN
 
 REPO = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_json_tracebacks_are_masked() -> None:
     assert "RuntimeError" in entry["exception"] and "topsecret" not in entry["exception"]
 
 
-def test_readme_configuration_reference_is_current() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert readme_block(readme) == config_reference(), \
-        "README.md is stale: run python -m applier.ops.reference"
+def test_configuration_reference_is_current() -> None:
+    document = (REPO / REFERENCE_PATH).read_text()
+    assert reference_block(document) == config_reference(), \
+        f"{REFERENCE_PATH} is stale: run python -m applier.ops.reference"

@@ -1,12 +1,14 @@
 """``applier sync``: copy every published table from a snapshot that matches the slot, then stream.
 
-Owns the order of a sync: read the publications, decide which tables still need a copy (those not
-recorded as done for this slot), check or create their target tables, mark them 'copying' and
-empty them in one target transaction, take the snapshot (creating the worker's slot, or a
+Owns the order of a sync: check both servers before anything is created (``applier.preflight``:
+a permanent problem ends the sync at once, listing every problem, and leaves nothing behind), set
+up the bookkeeping schema, read the publications, decide which tables still need a copy (those
+not recorded as done for this slot), create missing target tables when asked, mark them 'copying'
+and empty them in one target transaction, take the snapshot (creating the worker's slot, or a
 temporary slot when the slot already exists), copy, and hand over to the worker. Transient
-failures restart that sequence after a backoff; finished tables are never copied again. Must never
-stream changes itself: the worker does, from the slot's own position, filtering each synced
-table's changes by its sync LSN (see ``state.SyncFilter``).
+failures (a lost connection) restart that sequence after a backoff; finished tables are never
+copied again. Must never stream changes itself: the worker does, from the slot's own position,
+filtering each synced table's changes by its sync LSN (see ``state.SyncFilter``).
 """
 
 from __future__ import annotations
@@ -15,16 +17,21 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
+from ..apply.relations import MissingTargetTable
+from ..apply.session import TargetError
 from ..config import Settings, mask_dsn
+from ..preflight import PreflightFailed, check_sync
 from ..progress.store import AlreadyRunning, SchemaError, WorkerLock, make_engine, upgrade_schema
 from ..source import SourceError
-from ..source.slots import publications_missing, slot_info
+from ..source.slots import slot_info
+from ..source.stream import is_permanent
 from ..worker import run
 from .catalog import CatalogError, PublishedTable, published_tables
 from .copy import CopyFailed, CopyStopped, copy_tables, plan_tasks
@@ -47,7 +54,8 @@ def _transient(exc: BaseException) -> bool:
         return exc.transient
     if isinstance(exc, SourceError):
         return not exc.permanent
-    return isinstance(exc, psycopg.OperationalError)
+    # A lost or refused connection may come back; a refused password or a missing database not.
+    return isinstance(exc, psycopg.OperationalError) and not is_permanent(exc)
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -69,16 +77,13 @@ class Syncer:
         engine = make_engine(self.settings.target)
         lock = WorkerLock(self.settings.target, self.slot)
         try:
+            # Before anything is created: a sync that cannot finish must leave nothing behind.
+            self._retrying(self._preflight)
             upgrade_schema(engine)
             lock.acquire()
             log.info("sync for slot %r: source %s, target %s", self.slot,
                      mask_dsn(self.settings.source), mask_dsn(self.settings.target))
-            retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(ATTEMPTS),
-                                wait=wait_exponential(multiplier=1, max=30), reraise=True,
-                                before_sleep=_log_retry)
-            for attempt in retrying:
-                with attempt:
-                    self._attempt(engine)
+            self._retrying(lambda: self._attempt(engine))
             return True
         except CopyStopped:
             log.info("sync stopped on signal; finished tables are kept, the next sync redoes the rest")
@@ -92,21 +97,32 @@ class Syncer:
         log.info("received %s: stopping the copy", signal.Signals(signum).name)
         self.stop_requested.set()
 
+    @staticmethod
+    def _retrying(step: Callable[[], None]) -> None:
+        """Run ``step``, running it again after a transient failure (up to ``ATTEMPTS`` in all)."""
+        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(ATTEMPTS),
+                            wait=wait_exponential(multiplier=1, max=30), reraise=True,
+                            before_sleep=_log_retry)
+        for attempt in retrying:
+            with attempt:
+                step()
+
+    def _preflight(self) -> None:
+        settings = self.settings
+        problems = check_sync(settings.source, settings.target, slot=self.slot,
+                              publications=settings.publication,
+                              create_tables=bool(settings.create_tables))
+        if problems:
+            raise PreflightFailed(problems)
+
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings
         target = target_session(settings.target, "applier sync")
         encoding = target.info.parameter_status("server_encoding") or "UTF8"
         control = source_session(settings.source, encoding, "applier sync control")
         try:
-            missing = publications_missing(control, settings.publication)
-            if missing:
-                raise SourceError(f"source: publication(s) {', '.join(map(repr, missing))} do not "
-                                  "exist in the source database", permanent=True)
-            info = slot_info(control, self.slot)
-            if info is not None and info.plugin != "pgoutput":
-                raise SourceError(f"source: slot {self.slot!r} uses plugin {info.plugin!r}; applier "
-                                  "needs a pgoutput slot", permanent=True)
-            fresh = info is None
+            # The preflight checked the publications and the slot's plugin.
+            fresh = slot_info(control, self.slot) is None
             tables = published_tables(control, settings.publication)
             states = read_states(engine, self.slot)
             # A new slot starts a new history: whatever an older slot of this name copied is stale.
@@ -161,8 +177,14 @@ def run_sync(settings: Settings) -> int:
     try:
         if not Syncer(settings).run():
             return 0
+    except PreflightFailed as exc:
+        count = len(exc.problems)
+        log.error("applier sync cannot start (nothing was created); fix %s and run it again:\n%s",
+                  "this" if count == 1 else f"these {count} problems", exc)
+        return 1
     except (CatalogError, TargetCheckError, CopyFailed, SourceError, AlreadyRunning,
-            SchemaError) as exc:
+            SchemaError, TargetError, MissingTargetTable) as exc:
+        # MissingTargetTable: dropped after the preflight saw it.
         log.error("%s", exc)
         return 1
     except psycopg.Error as exc:

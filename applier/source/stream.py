@@ -133,7 +133,8 @@ def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
 #: libpq's own words for connection failures an operator must fix (no SQLSTATE reaches the
 #: client when the server refuses a connection during start-up).
 _PERMANENT_CONNECTION_FAILURES = ("authentication failed", "does not exist", "no pg_hba.conf entry",
-                                  "permission denied", "password is required")
+                                  "permission denied", "password is required",
+                                  "no password supplied", "is not permitted to log in")
 
 
 def is_permanent(exc: psycopg.Error) -> bool:

@@ -103,16 +103,35 @@ def test_wrong_password_fails_at_once_and_creates_nothing(source_db, target_db, 
     db = source_db if side == "source" else target_db
     role = f"pw_{uuid.uuid4().hex[:8]}"
     db.execute(sql.SQL("CREATE ROLE {} LOGIN SUPERUSER PASSWORD 'right'").format(sql.Identifier(role)))
+    outcomes = []
     try:
         with password_required(db, role):
-            wrong = Dsn(with_params(db.dsn, user=role, password="hunter2wrong"))
-            done, elapsed = sync(wrong if side == "source" else source_db,
-                                 wrong if side == "target" else target_db)
+            for password in ("hunter2wrong", None):
+                params = {"user": role, **({"password": password} if password else {})}
+                wrong = Dsn(with_params(db.dsn, **params))
+                outcomes.append(sync(wrong if side == "source" else source_db,
+                                     wrong if side == "target" else target_db))
     finally:
         db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-    stderr = refused(done, elapsed)
-    assert f'{side}: cannot connect' in stderr and "password authentication failed" in stderr
+    (wrong_password, elapsed), (no_password, elapsed_without) = outcomes
+    stderr = refused(wrong_password, elapsed)
+    assert f"{side}: cannot connect" in stderr and "password authentication failed" in stderr
     assert "hunter2wrong" not in stderr
+    stderr = refused(no_password, elapsed_without)
+    assert f"{side}: cannot connect" in stderr and "no password supplied" in stderr
+    assert_nothing_created(source_db, target_db)
+
+
+def test_a_role_that_may_not_log_in_fails_at_once(source_db, target_db) -> None:
+    replicated_table(source_db, target_db, with_slot=False)
+    role = f"nologin_{uuid.uuid4().hex[:8]}"
+    source_db.execute(sql.SQL("CREATE ROLE {} NOLOGIN REPLICATION").format(sql.Identifier(role)))
+    try:
+        done, elapsed = sync(Dsn(with_params(source_db.dsn, user=role)), target_db)
+    finally:
+        source_db.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    stderr = refused(done, elapsed)
+    assert "source: cannot connect" in stderr and "is not permitted to log in" in stderr
     assert_nothing_created(source_db, target_db)
 
 

@@ -9,8 +9,9 @@ copy's role can read every published column; the target can hold the ``applier``
 schema, lets the role set ``session_replication_role`` (as every copy and apply session does),
 and has every published table with every published column and the privileges the copy needs, or
 with ``--create-tables`` can create the missing ones. Also whether the target has recorded
-anything for a slot (``applier skip`` refuses a slot nothing knows). Each check returns every problem it finds, each saying what is wrong and what to
-do, so that one run lists everything to fix.
+anything for a slot (``applier skip`` refuses a slot nothing knows). Each check returns every
+problem it finds, each saying what is wrong and what to do, so that one run lists everything to
+fix.
 
 Must never create or change anything on either server: it only reads catalogs and settings. Must
 never retry either: a failure retrying may cure (a refused or lost connection) is raised to the

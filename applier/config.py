@@ -109,7 +109,7 @@ _REPLICATION = ("run", "sync", "peek")
 
 OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
-           "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status",)),
+           "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status", "skip")),
     Option("target", "libpq connection string or URL of the target (replica) database.",
            secret=True, commands=("run", "sync", "status", "skip")),
     Option("slot", "Logical replication slot on the source that this worker consumes.",

@@ -87,7 +87,8 @@ _OPERATOR_SQLSTATES = frozenset({
 #: libpq's own words for connection failures an operator must fix (no SQLSTATE reaches the
 #: client when the server refuses a connection during start-up).
 _OPERATOR_CONNECTION_TEXT = ("authentication failed", "does not exist", "no pg_hba.conf entry",
-                             "permission denied", "password is required")
+                             "permission denied", "password is required", "no password supplied",
+                             "is not permitted to log in")
 
 
 class ApplierError(Exception):

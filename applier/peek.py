@@ -44,8 +44,8 @@ Output: one JSON object per line on stdout, in the order the server sent the mes
 
 Stops after ``--limit`` messages or ``--timeout`` seconds without a new one (replication
 protocol); the SQL interface returns what the slot holds at once. Exit status 0 on success; 1 with
-one line on stderr when the slot or a publication is missing, the server cannot honour an option,
-the connection fails or a message cannot be decoded.
+one line on stderr when the slot or a publication is missing, another consumer (a worker) holds
+the slot, the server cannot honour an option, the connection fails or a message cannot be decoded.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Generator
 from contextlib import closing
 from datetime import datetime
@@ -71,10 +72,14 @@ from .protocol.messages import (
 )
 from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption
 from .source import resolve_stream_options
+from .source.slots import SlotInfo, publications_missing, slot_info
 
 __all__ = ["peek", "PeekError", "message_to_json", "sql_options"]
 
 _KIND_NAMES = {ord(k): k for k in "ntub"}
+#: Seconds a slot may stay active before peek reports its holder: a WAL sender whose client has
+#: just gone (a peek just before, a worker just stopped) releases the slot a moment later.
+_RELEASE_GRACE = 1.0
 
 
 class PeekError(Exception):
@@ -120,12 +125,6 @@ def _one_line(exc: BaseException, dsn: str) -> str:
 
 # -- reading the slot -----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    confirmed_flush_lsn: LSN
-    two_phase: bool
-
-
 def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
     """Check the slot, publications and options, then yield (lsn, message) from the slot."""
     try:
@@ -134,7 +133,7 @@ def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], N
         raise PeekError(f"cannot connect to the source: {exc}") from None
     with conn:
         slot = _slot(conn, settings.slot)
-        missing = _publications_missing(conn, settings.publication)
+        missing = publications_missing(conn, settings.publication)
         if missing:
             names = ", ".join(repr(name) for name in missing)
             verb = "does" if len(missing) == 1 else "do"
@@ -155,28 +154,30 @@ def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], N
     yield from _peek_replication(settings, slot, options)
 
 
-def _slot(conn: psycopg.Connection[Any], name: str) -> _Slot:
-    row = conn.execute(
-        "SELECT plugin, slot_type, database, confirmed_flush_lsn::text, "
-        + ("two_phase" if conn.info.server_version >= 140000 else "false")
-        + " FROM pg_catalog.pg_replication_slots WHERE slot_name = %s", (name,)).fetchone()
-    if row is None:
-        raise PeekError(f"replication slot {name!r} does not exist on the source")
-    plugin, slot_type, database, confirmed, two_phase = row
-    if slot_type != "logical" or plugin != "pgoutput":
-        raise PeekError(f"replication slot {name!r} is not a logical pgoutput slot "
-                        f"({slot_type}, plugin {plugin})")
-    if database != conn.info.dbname:
-        raise PeekError(f"replication slot {name!r} belongs to database {database!r}; connect "
-                        "the source to that database")
-    return _Slot(LSN.parse(confirmed), bool(two_phase))
-
-
-def _publications_missing(conn: psycopg.Connection[Any], names: list[str]) -> list[str]:
-    rows = conn.execute("SELECT pubname FROM pg_catalog.pg_publication WHERE pubname = ANY(%s)",
-                        (names,)).fetchall()
-    found = {row[0] for row in rows}
-    return [name for name in names if name not in found]
+def _slot(conn: psycopg.Connection[Any], name: str) -> SlotInfo:
+    """The slot, if peek can read it: a pgoutput slot of this database that no one holds."""
+    deadline = time.monotonic() + _RELEASE_GRACE
+    while True:
+        info = slot_info(conn, name)
+        if info is None:
+            raise PeekError(f"replication slot {name!r} does not exist on the source")
+        if info.plugin != "pgoutput":
+            kind = f"plugin {info.plugin}" if info.plugin else "a physical slot"
+            raise PeekError(f"replication slot {name!r} is not a logical pgoutput slot ({kind})")
+        if info.database != conn.info.dbname:
+            raise PeekError(f"replication slot {name!r} belongs to database {info.database!r}; "
+                            "connect the source to that database")
+        if info.active_pid is None:
+            return info
+        if time.monotonic() >= deadline:
+            # The server would refuse too (after the stream's wait for a slot to be released),
+            # without saying what to do.
+            raise PeekError(f"replication slot {name!r} is in use by PID {info.active_pid} on the "
+                            "source (a worker, or another consumer): a slot serves one consumer "
+                            "at a time, so peek cannot read it, with --sql or without. To see "
+                            "its messages, stop the worker first; to see the slot and its "
+                            "replica while the worker runs, use applier status")
+        time.sleep(0.1)
 
 
 def sql_options(options: StreamOptions) -> list[str]:
@@ -213,8 +214,9 @@ def _peek_sql(conn: psycopg.Connection[Any], slot: str, options: StreamOptions,
         yield LSN.parse(lsn), message
 
 
-def _peek_replication(settings: Settings, slot: _Slot, options: StreamOptions
+def _peek_replication(settings: Settings, slot: SlotInfo, options: StreamOptions
                       ) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+    assert slot.confirmed_flush_lsn is not None  # only a slot being created has none
     stream = ReplicationStream(settings.source, settings.slot, options)
     try:
         stream.connect()

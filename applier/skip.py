@@ -3,20 +3,26 @@
 Writes the request to ``applier.skip_requests`` on the target; the worker honours it when it
 reaches that transaction (see ``applier.apply.skipping`` for the crash-safe mechanism). The LSN
 is the one a failing worker prints: the commit LSN, or the prepare LSN of a prepared transaction
-(or the commit LSN of a deferred one's COMMIT PREPARED). Exit status 0 when the request is stored,
-1 when it cannot apply (that transaction is already behind the recorded position), 2 for bad
-arguments.
+(or the commit LSN of a deferred one's COMMIT PREPARED). A slot nothing knows (the target has
+recorded nothing for it and, with ``--source``, the source has no such slot) is refused before
+anything is written: a request for it could never be met. Exit status 0 when the request is
+stored, 1 when it cannot apply (an unknown slot, or that transaction is already behind the
+recorded position), 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import logging
 
+import psycopg
+
 from .apply.skipping import describe_request
 from .config import Settings
+from .preflight import PreflightFailed, connect, slot_recorded
 from .progress.bookkeeping import SqlBookkeeping
 from .progress.lock import AlreadyRunning, WorkerLock
 from .progress.schema import SchemaError, make_engine, upgrade_schema
+from .source.slots import slot_info
 
 __all__ = ["run_skip"]
 
@@ -25,6 +31,15 @@ log = logging.getLogger(__name__)
 
 def run_skip(settings: Settings) -> int:
     settings.require("target", "slot", "lsn")
+    try:
+        problems = _slot_problems(settings)
+    except PreflightFailed as exc:
+        problems = exc.problems
+    except psycopg.Error as exc:
+        problems = [" ".join(str(exc).split())]
+    if problems:
+        log.error("nothing stored: %s", "; ".join(problems))
+        return 1
     engine = make_engine(settings.target)
     try:
         upgrade_schema(engine)
@@ -50,3 +65,26 @@ def run_skip(settings: Settings) -> int:
     finally:
         lock.release()
     return 0
+
+
+def _slot_problems(settings: Settings) -> list[str]:
+    """Why a request for this slot could never be met, read before the bookkeeping schema is
+    created: neither the target (its progress and sync state) nor, with --source, the source
+    knows the slot."""
+    slot = settings.slot
+    with connect(settings.target, "target") as target:
+        if slot_recorded(target, slot):
+            return []
+    source = settings.values.get("source")
+    if not source:
+        return [f"slot {slot!r} is unknown to the target: no applier.progress or "
+                "applier.table_sync row names it, so no worker has run for it. Check --slot; to "
+                "store a skip before the slot's first run, pass --source so that applier skip "
+                "can check that the slot exists there"]
+    with connect(source, "source") as conn:
+        if slot_info(conn, slot) is not None:
+            return []
+        database = conn.info.dbname
+    return [f"slot {slot!r} is unknown: the target has recorded nothing for it (no "
+            "applier.progress or applier.table_sync row) and the source has no replication slot "
+            f"of that name in database {database!r}. Check --slot and --source"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import Connection, Engine, text
 
-from ..errors import Cause
+from ..errors import ApplierError, Cause
 from ..protocol.messages import Relation
 from ..quoting import ident, qualified
 
@@ -23,10 +23,14 @@ __all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MappingError", "Mi
 FIRST_NORMAL_OID = 16384
 
 
-class MappingError(LookupError):
-    """A source relation cannot be mapped onto the target; ``cause`` for the error policy."""
+class MappingError(ApplierError):
+    """A source relation cannot be mapped onto the target."""
 
-    cause = Cause.NEEDS_OPERATOR
+    #: What the error policy reads (a missing table or column needs the operator).
+    kind = Cause.NEEDS_OPERATOR
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=self.kind)
 
 
 class MissingTargetTable(MappingError):

@@ -22,7 +22,7 @@ __all__ = ["RelationCache", "UnknownRelation"]
 class UnknownRelation(MappingError):
     """A change names a relation id no Relation message described (a protocol violation)."""
 
-    cause = Cause.PROTOCOL
+    kind = Cause.PROTOCOL
 
 
 class RelationCache:

@@ -68,6 +68,16 @@ class SqlBookkeeping:
         found = self.positions(slot)
         return found[0] if found else None
 
+    def slot_recorded(self, slot: str) -> bool:
+        """A worker or a sync has run for ``slot`` (a schema not created yet names nothing)."""
+        tables = [name for name in ("progress", "table_sync") if name in self.tables()]
+        if not tables:
+            return False
+        query = sql.SQL("SELECT EXISTS ({})").format(sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT FROM {} WHERE slot_name = %(slot)s").format(sql.Identifier("applier", name))
+            for name in tables))
+        return bool(self._rows(query, {"slot": slot})[0][0])
+
     def table_states(self, slot: str) -> dict[TableName, TableState]:
         rows = self._rows("SELECT schema_name, table_name, state, sync_lsn::text "
                           "FROM applier.table_sync WHERE slot_name = %(slot)s", {"slot": slot})

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import psycopg
 
 from ..apply.mapping import FIRST_NORMAL_OID
+from ..errors import ApplierError, Cause
 from ..quoting import ident, qualified
 
 __all__ = ["PublishedTable", "SourceColumn", "TableDefinition", "CatalogError", "published_tables",
@@ -21,8 +22,11 @@ __all__ = ["PublishedTable", "SourceColumn", "TableDefinition", "CatalogError", 
 
 
 
-class CatalogError(RuntimeError):
+class CatalogError(ApplierError):
     """The publication asks for something the copy cannot honour the way the stream does."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.NEEDS_OPERATOR)
 
 
 @dataclass(frozen=True)

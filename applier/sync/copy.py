@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import psycopg
 
+from ..errors import ApplierError, Cause, cause_of
 from ..quoting import ident
 from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
@@ -31,12 +32,11 @@ __all__ = ["CopyFailed", "CopyStopped", "CopyTask", "plan_tasks", "source_copy_s
 log = logging.getLogger(__name__)
 
 
-class CopyFailed(Exception):
-    """Copying one table failed; ``transient`` when a new attempt can succeed (lost connection)."""
+class CopyFailed(ApplierError):
+    """Copying one table failed (the cause says whether a new attempt can succeed)."""
 
-    def __init__(self, message: str, *, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
+    def __init__(self, message: str, *, cause: Cause) -> None:
+        super().__init__(message, cause=cause)
 
 
 class CopyStopped(Exception):
@@ -167,7 +167,7 @@ class _Copier:
                 log.debug("built %d index(es) of %s after its data", len(rebuilt), task.plan.table.sql_name)
         except psycopg.Error as exc:
             raise CopyFailed(f"copying {task.plan.table.sql_name} failed: {str(exc).strip()}",
-                             transient=isinstance(exc, psycopg.OperationalError)) from exc
+                             cause=cause_of(exc) or Cause.REFUSED_DATA) from exc
         self.progress.range_finished(key, pid, rows)
         with self.lock:
             self.remaining[key] -= 1

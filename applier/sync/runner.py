@@ -1,12 +1,14 @@
 """``applier sync``: copy every published table from a snapshot that matches the slot, then stream.
 
-Owns the order of a sync: read the publications, decide which tables still need a copy (those not
-recorded as done for this slot), check or create their target tables, mark them 'copying' and
-empty them in one target transaction, take the snapshot (creating the worker's slot, or a
+Owns the order of a sync: check both servers before anything is created (``applier.preflight``:
+a permanent problem ends the sync at once, listing every problem, and leaves nothing behind), set
+up the bookkeeping schema, read the publications, decide which tables still need a copy (those
+not recorded as done for this slot), create missing target tables when asked, mark them 'copying'
+and empty them in one target transaction, take the snapshot (creating the worker's slot, or a
 temporary slot when the slot already exists), copy, and hand over to the worker. Transient
-failures restart that sequence after a backoff; finished tables are never copied again. Must never
-stream changes itself: the worker does, from the slot's own position, filtering each synced
-table's changes by its sync LSN (see ``state.SyncFilter``).
+failures (a lost connection) restart that sequence after a backoff; finished tables are never
+copied again. Must never stream changes itself: the worker does, from the slot's own position,
+filtering each synced table's changes by its sync LSN (see ``state.SyncFilter``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 import psycopg
@@ -22,14 +25,15 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ..config import Settings, mask_dsn
+from ..errors import Directive, cause_of, decide
+from ..preflight import PreflightFailed, check_sync
 from ..progress.bookkeeping import SqlBookkeeping
-from ..progress.lock import AlreadyRunning, WorkerLock
-from ..progress.schema import SchemaError, make_engine, upgrade_schema
-from ..source import SourceError
-from ..source.slots import publications_missing, slot_info
+from ..progress.lock import WorkerLock
+from ..progress.schema import make_engine, upgrade_schema
+from ..source.slots import slot_info
 from ..worker import run
-from .catalog import CatalogError, PublishedTable, published_tables
-from .copy import CopyFailed, CopyStopped, copy_tables, plan_tasks
+from .catalog import PublishedTable, published_tables
+from .copy import CopyStopped, copy_tables, plan_tasks
 from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
@@ -44,11 +48,8 @@ ATTEMPTS = 6
 
 
 def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, CopyFailed):
-        return exc.transient
-    if isinstance(exc, SourceError):
-        return not exc.permanent
-    return isinstance(exc, psycopg.OperationalError)
+    # A lost or refused connection may come back; a refused password or a missing database not.
+    return decide(exc) is Directive.RETRY
 
 
 def _log_retry(state: RetryCallState) -> None:
@@ -70,16 +71,13 @@ class Syncer:
         engine = make_engine(self.settings.target)
         lock = WorkerLock(self.settings.target, self.slot)
         try:
+            # Before anything is created: a sync that cannot finish must leave nothing behind.
+            self._retrying(self._preflight)
             upgrade_schema(engine)
             lock.acquire()
             log.info("sync for slot %r: source %s, target %s", self.slot,
                      mask_dsn(self.settings.source), mask_dsn(self.settings.target))
-            retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(ATTEMPTS),
-                                wait=wait_exponential(multiplier=1, max=30), reraise=True,
-                                before_sleep=_log_retry)
-            for attempt in retrying:
-                with attempt:
-                    self._attempt(engine)
+            self._retrying(lambda: self._attempt(engine))
             return True
         except CopyStopped:
             log.info("sync stopped on signal; finished tables are kept, the next sync redoes the rest")
@@ -93,21 +91,32 @@ class Syncer:
         log.info("received %s: stopping the copy", signal.Signals(signum).name)
         self.stop_requested.set()
 
+    @staticmethod
+    def _retrying(step: Callable[[], None]) -> None:
+        """Run ``step``, running it again after a transient failure (up to ``ATTEMPTS`` in all)."""
+        retrying = Retrying(retry=retry_if_exception(_transient), stop=stop_after_attempt(ATTEMPTS),
+                            wait=wait_exponential(multiplier=1, max=30), reraise=True,
+                            before_sleep=_log_retry)
+        for attempt in retrying:
+            with attempt:
+                step()
+
+    def _preflight(self) -> None:
+        settings = self.settings
+        problems = check_sync(settings.source, settings.target, slot=self.slot,
+                              publications=settings.publication,
+                              create_tables=bool(settings.create_tables))
+        if problems:
+            raise PreflightFailed(problems)
+
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings
         target = target_session(settings.target, "applier sync")
         encoding = target.info.parameter_status("server_encoding") or "UTF8"
         control = source_session(settings.source, encoding, "applier sync control")
         try:
-            missing = publications_missing(control, settings.publication)
-            if missing:
-                raise SourceError(f"source: publication(s) {', '.join(map(repr, missing))} do not "
-                                  "exist in the source database", permanent=True)
-            info = slot_info(control, self.slot)
-            if info is not None and info.plugin != "pgoutput":
-                raise SourceError(f"source: slot {self.slot!r} uses plugin {info.plugin!r}; applier "
-                                  "needs a pgoutput slot", permanent=True)
-            fresh = info is None
+            # The preflight checked the publications and the slot's plugin.
+            fresh = slot_info(control, self.slot) is None
             tables = published_tables(control, settings.publication)
             with engine.connect() as conn:
                 states = SqlBookkeeping(conn).table_states(self.slot)
@@ -164,13 +173,16 @@ def run_sync(settings: Settings) -> int:
     try:
         if not Syncer(settings).run():
             return 0
-    except (CatalogError, TargetCheckError, CopyFailed, SourceError, AlreadyRunning,
-            SchemaError) as exc:
-        log.error("%s", exc)
+    except PreflightFailed as exc:
+        count = len(exc.problems)
+        log.error("applier sync cannot start (nothing was created); fix %s and run it again:\n%s",
+                  "this" if count == 1 else f"these {count} problems", exc)
         return 1
-    except psycopg.Error as exc:
+    except Exception as exc:
+        if cause_of(exc) is None:
+            raise  # not a failure of the servers or the settings: a bug
         # E.g. TRUNCATE of a target table another table's foreign key references.
-        log.error("sync failed: %s", str(exc).strip())
+        log.error("sync failed: %s", " ".join(str(exc).split()))
         return 1
     # The slot exists now (sync made it); ``run`` must never create one on its own.
     settings.values.setdefault("create_slot", False)

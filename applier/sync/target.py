@@ -1,9 +1,10 @@
-"""Target tables for the initial copy: checked (or created) before anything is copied.
+"""Target tables for the initial copy: created when missing (``--create-tables``) and planned.
 
-Owns: every published table exists on the target with every published column (or is created with
-``--create-tables``), is empty (or ``--truncate-target`` allows emptying it, or it holds our own
-unfinished copy), the choice of COPY format per table, and building secondary indexes after the
-data is in. Must never copy rows or write sync state.
+Owns creating missing target tables from the source definitions, the check that a table is empty
+(or ``--truncate-target`` allows emptying it, or it holds our own unfinished copy), the choice of
+COPY format per table, and building secondary indexes after the data is in. That every published
+table and column is there (or can be created) is checked before anything is created, by
+``applier.preflight``. Must never copy rows or write sync state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import psycopg
 from sqlalchemy import Connection, Engine
 
 from ..apply.mapping import MissingTargetTable, TargetTable, reflect_table
+from ..errors import ApplierError, Cause
 from ..quoting import ident
 from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
 
@@ -24,8 +26,11 @@ __all__ = ["TargetCheckError", "TargetPlan", "prepare_targets", "target_session"
 log = logging.getLogger(__name__)
 
 
-class TargetCheckError(RuntimeError):
+class TargetCheckError(ApplierError):
     """A target table cannot receive the copy; nothing has been copied."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.NEEDS_OPERATOR)
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,8 @@ def target_session(dsn: str, application_name: str) -> psycopg.Connection:
 
 def prepare_targets(source: psycopg.Connection, target: psycopg.Connection, engine: Engine,
                     tables: list[PublishedTable], *, create_tables: bool) -> list[TargetPlan]:
-    """Check every target table (creating missing ones when asked) and pick each COPY format.
-
-    All problems are collected and reported together, before any table is created or copied.
-    """
+    """Create the missing target tables (with ``create_tables``; ``applier.preflight`` has
+    checked that the others exist with every published column) and pick each COPY format."""
     # One catalog connection for every table (the engine opens a new one on each connect()); at
     # read committed it also sees the tables ``_create`` commits on ``target``.
     with engine.connect() as catalog:
@@ -60,31 +63,18 @@ def prepare_targets(source: psycopg.Connection, target: psycopg.Connection, engi
 
 def _plan(source: psycopg.Connection, target: psycopg.Connection, catalog: Connection,
           tables: list[PublishedTable], *, create_tables: bool) -> list[TargetPlan]:
-    problems: list[str] = []
-    found: dict[tuple[str, str], TargetTable | None] = {}
-    for table in tables:
-        try:
-            found[table.key] = reflect_table(catalog, table.schema, table.name)
-        except MissingTargetTable:
-            found[table.key] = None
-            if not create_tables:
-                problems.append(f"target table {table.sql_name} does not exist (create it, or "
-                                "use --create-tables)")
-    if problems:
-        raise TargetCheckError("; ".join(problems))
     plans = []
     for table in tables:
-        existing = found[table.key]
-        columns = source_column_types(source, table)
         definition = table_definition(source, table) if create_tables else None
-        if existing is None:
-            assert definition is not None
+        try:
+            existing = reflect_table(catalog, table.schema, table.name)
+        except MissingTargetTable:
+            if definition is None:
+                raise  # dropped since the preflight saw it
             _create(target, table, definition)
             existing = reflect_table(catalog, table.schema, table.name)
-        problems.extend(_column_problems(table, existing))
+        columns = source_column_types(source, table)
         plans.append(TargetPlan(table, _binary_safe(table, columns, existing), definition))
-    if problems:
-        raise TargetCheckError("; ".join(problems))
     return plans
 
 
@@ -103,22 +93,12 @@ def _create(target: psycopg.Connection, table: PublishedTable, definition: Table
              f" (defaults of {skipped} use sequences and were left out)" if skipped else "")
 
 
-def _column_problems(table: PublishedTable, existing: TargetTable) -> list[str]:
-    problems = []
-    for name in table.columns:
-        column = existing.columns.get(name)
-        if column is None or column.generated:
-            what = "has no column" if column is None else "has only a generated column"
-            problems.append(f"target table {table.sql_name} {what} {ident(name)} that the "
-                            "source publishes")
-    return problems
-
-
 def _binary_safe(table: PublishedTable, source: dict[str, SourceColumn], target: TargetTable) -> bool:
     # Binary COPY carries type OIDs inside arrays and composites, and binary formats are per type:
-    # only identical built-in types (same OIDs on every server) are safe. Anything else goes as text.
-    return all(source[name].builtin and source[name].type_sql == target.columns[name].type_sql
-               for name in table.columns)
+    # only identical built-in types (same OIDs on every server) are safe. Anything else goes as
+    # text. (A column dropped since the preflight: text too, and the COPY names it.)
+    return all(source[name].builtin and name in target.columns
+               and source[name].type_sql == target.columns[name].type_sql for name in table.columns)
 
 
 def is_empty(target: psycopg.Connection, table: PublishedTable) -> bool:

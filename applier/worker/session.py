@@ -30,7 +30,8 @@ from ..errors import ApplyError, Cause, SourceError
 from ..ingest.gate import IngestGate
 from ..protocol.lsn import LSN
 from ..source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
-from ..source.slots import create_slot, publications_missing, slot_info
+from ..preflight import check_source
+from ..source.slots import create_slot, slot_info
 from ..source.stream import classify
 from .loop import CaughtUp, StreamLoop
 
@@ -214,23 +215,17 @@ class ReplicationSession:
         return stream, None
 
     def _check_source(self, control: psycopg.Connection) -> bool:
-        """Slot and publications exist (creating the slot when asked); returns the slot's two_phase."""
+        """Slot and publications exist (creating the slot when asked, once everything else is
+        checked: a failed start leaves no slot behind); returns the slot's two_phase."""
         settings = self.settings
+        problems = check_source(control, slot=self.slot, publications=settings.publication,
+                                create_slot=bool(settings.create_slot))
+        if problems:
+            raise SourceError("; ".join(problems), cause=Cause.NEEDS_OPERATOR)
         info = slot_info(control, self.slot)
         if info is None:
-            if not settings.create_slot:
-                raise SourceError(f"source: replication slot {self.slot!r} does not exist; create it "
-                                  "with --create-slot (or applier sync)", cause=Cause.NEEDS_OPERATOR)
             info = create_slot(control, self.slot, two_phase=bool(settings.two_phase))
             log.info("created slot %r at %s", self.slot, info.confirmed_flush_lsn)
-        elif info.plugin != "pgoutput":
-            raise SourceError(f"source: slot {self.slot!r} uses plugin {info.plugin!r}; applier "
-                              "needs a pgoutput slot", cause=Cause.NEEDS_OPERATOR)
-        missing = publications_missing(control, settings.publication)
-        if missing:
-            raise SourceError(f"source: publication(s) {', '.join(map(repr, missing))} do not exist "
-                              "in the source database; create them (CREATE PUBLICATION) or fix "
-                              "--publication", cause=Cause.NEEDS_OPERATOR)
         return info.two_phase
 
 

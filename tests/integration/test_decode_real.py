@@ -748,6 +748,22 @@ def test_peek_cli_end_to_end(src: Source) -> None:
     assert _without_lsn([json.loads(line) for line in sql.stdout.splitlines()]) == _without_lsn(lines)
 
 
+def test_peek_on_a_slot_in_use_names_its_holder_at_once(src: Source) -> None:
+    """A slot serves one consumer at a time: peek says who holds it, and what to do, at once
+    (it used to wait 15 s for the slot, then print the server's bare refusal)."""
+    src.create_slot("peek")
+    with src.open("peek", 1) as reader:
+        holder = reader.stream.connection.info.backend_pid
+        for args in ((), ("--sql",)):  # the SQL interface cannot read an active slot either
+            started = time.monotonic()
+            proc = _peek_cli(src, "--slot", "peek", "--publication", "pub", *args)
+            assert time.monotonic() - started < 8, proc.stderr
+            assert proc.returncode == 1 and proc.stdout == ""
+            assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            assert f"slot 'peek' is in use by PID {holder}" in proc.stderr
+            assert "stop the worker" in proc.stderr and "applier status" in proc.stderr
+
+
 def test_peek_cli_errors(src: Source) -> None:
     src.create_slot("peek")
 

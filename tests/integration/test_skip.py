@@ -156,3 +156,45 @@ def test_requests_that_cannot_match(source_db, target_db) -> None:
     assert "skip request for slot 's' at LSN" in done.stderr and "dropped" in done.stderr
     assert _ids(target_db) == [1, 2]
     assert target_db.query("SELECT count(*) FROM applier.skip_requests") == [(0,)]
+
+
+def _skip_slot(target_db, slot: str, *extra: str) -> subprocess.CompletedProcess:
+    """``applier skip`` of LSN FF/1234, ahead of anything the tests apply."""
+    return subprocess.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
+                           "--slot", slot, "--lsn", "FF/1234", *extra], capture_output=True,
+                          text=True, cwd=REPO)
+
+
+def _requests(target_db) -> list[tuple]:
+    return target_db.query("SELECT slot_name, lsn::text FROM applier.skip_requests")
+
+
+def test_a_slot_nothing_knows_is_refused(source_db, target_db) -> None:
+    """A request for a slot with no progress row on the target and no such slot on the source
+    could never be met (a typo in --slot): refused, and nothing is written."""
+    unknown = _skip_slot(target_db, "no_such_slot")
+    assert unknown.returncode == 1, unknown.stdout + unknown.stderr
+    assert "'no_such_slot' is unknown to the target" in unknown.stderr and "--source" in unknown.stderr
+    assert target_db.query("SELECT count(*) FROM pg_namespace WHERE nspname = 'applier'") == [(0,)]
+    on_source = _skip_slot(target_db, "no_such_slot", "--source", source_db.dsn)
+    assert on_source.returncode == 1, on_source.stdout + on_source.stderr
+    assert "the source has no replication slot of that name" in on_source.stderr
+    # A slot that exists on the source may be given a skip before its first run.
+    create_slot(source_db, "fresh")
+    assert _skip_slot(target_db, "fresh").returncode == 1  # the target alone cannot tell
+    stored = _skip_slot(target_db, "fresh", "--source", source_db.dsn)
+    assert stored.returncode == 0, stored.stdout + stored.stderr
+    assert _requests(target_db) == [("fresh", "FF/1234")]
+
+
+def test_a_slot_the_target_knows_needs_no_source(source_db, target_db) -> None:
+    """Once a worker has run for a slot, its progress row is enough, even with the source slot
+    gone (dropped and about to be recreated, say)."""
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO t VALUES (1, 'a')")
+    run_worker(source_db, target_db)
+    source_db.execute("SELECT pg_drop_replication_slot('s')")
+    for extra in ((), ("--source", source_db.dsn)):
+        done = _skip_slot(target_db, "s", *extra)
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert _requests(target_db) == [("s", "FF/1234")]

@@ -272,6 +272,10 @@ def _table_sync_exists(target_db) -> bool:
     return bool(target_db.query("SELECT to_regclass('applier.table_sync') IS NOT NULL")[0][0])
 
 
+def _applier_schema_exists(target_db) -> bool:
+    return bool(target_db.query("SELECT count(*) FROM pg_namespace WHERE nspname = 'applier'")[0][0])
+
+
 def test_create_tables_on_empty_target_and_target_checks(source_db, target_db) -> None:
     source_db.execute("""
         CREATE SCHEMA "App";
@@ -294,7 +298,7 @@ def test_create_tables_on_empty_target_and_target_checks(source_db, target_db) -
     missing = run_sync(source_db, target_db, expect_rc=1)
     assert 'target table "App"."Orders" does not exist' in missing.stderr
     assert 'target table "public"."keyed" does not exist' in missing.stderr
-    assert target_db.query("SELECT count(*) FROM applier.table_sync")[0][0] == 0
+    assert not _applier_schema_exists(target_db)  # refused before anything was created
 
     run_sync(source_db, target_db, "--create-tables")
     assert_same_rows(source_db, target_db, '"App"."Orders"', "keyed")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..progress.postgres import PostgresApplyStore
 from ..progress.records import AppliedPosition
+from ..progress.store import ApplyStore
 from ..protocol.lsn import LSN
 from .dispatch import Applier
 from .fastpath import BatchLimits
@@ -69,15 +70,18 @@ def main_applier(session: TargetSession, options: ApplyOptions,
 
 
 def second_applier(main: Applier, session: TargetSession,
-                   reflect: Callable[[str, str], TargetTable]) -> Applier:
+                   reflect: Callable[[str, str], TargetTable],
+                   store: ApplyStore | None = None) -> Applier:
     """The applier of a second session of the same worker, for one streamed transaction at a
     time applied as it streams: the same store shape and conflict detection, a batch that only
-    the Stream Commit commits (parts still go ahead), and ``lock_timeout`` (see ``streaming``)."""
+    the Stream Commit commits (parts still go ahead), and ``lock_timeout`` (see ``streaming``).
+    ``store``: the session's bookkeeping store (default: the PostgreSQL one on ``session``)."""
     assert main.fast is not None
     session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
     tag = main.handlers.origins.tag
-    store = PostgresApplyStore(session, main.tx.store.slot,
-                               origin_xact_setup=tag.name is not None and tag.xact_setup)
+    if store is None:
+        store = PostgresApplyStore(session, main.tx.store.slot,
+                                   origin_xact_setup=tag.name is not None and tag.xact_setup)
     tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
                            track_target_lsn=main.tx.track_target_lsn)
     return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check),

@@ -17,10 +17,12 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
+import tempfile
 from pathlib import Path
 from typing import Final
 
-__all__ = ["StreamBuffer", "ENTRY_OVERHEAD", "SPILL_GLOB", "spill_path", "record_cost"]
+__all__ = ["StreamBuffer", "ENTRY_OVERHEAD", "SPILL_GLOB", "default_spill_dir", "spill_path",
+           "record_cost"]
 
 _LENGTH = struct.Struct(">I")
 
@@ -36,6 +38,12 @@ SPILL_GLOB: Final = f"{_SPILL_PREFIX}*{_SPILL_SUFFIX}"
 
 #: Read buffer for replay: large enough for sequential throughput, small enough to stay bounded.
 _READ_BUFFER: Final = 1 << 16
+
+
+def default_spill_dir(slot: str) -> Path:
+    """Where a slot's streamed transactions spill when --spill-dir is not given."""
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in slot)
+    return Path(tempfile.gettempdir()) / f"applier-spill-{safe}"
 
 
 def spill_path(directory: Path, xid: int) -> Path:

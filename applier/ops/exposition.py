@@ -1,9 +1,9 @@
 """The HTTP side of a worker's telemetry: Prometheus exposition, ``/healthz`` and ``/readyz``.
 
 Owns the metric collector and the request handler of ``--metrics-port``. Loaded by
-``Telemetry.start`` only when a port is set: prometheus_client and http.server are start-up time
+``metrics.Telemetry.start`` only when a port is set: prometheus_client and http.server are start-up time
 that every ``applier run`` would pay otherwise. Must never touch the worker's connections or
-objects: it reads ``Telemetry.snapshot()`` and ``Telemetry.readiness()`` only.
+objects: it reads ``Observed.snapshot()`` and ``Observed.readiness()`` only.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry, exposition
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .metrics import ROW_KINDS, Probe, Telemetry
+from .observed import ROW_KINDS, Observed, Probe
 
 __all__ = ["serve"]
 
 
-def serve(telemetry: Telemetry, address: str, port: int) -> ThreadingHTTPServer:
+def serve(telemetry: Observed, address: str, port: int) -> ThreadingHTTPServer:
     """An HTTP server (not yet serving) for ``telemetry`` on ``address``:``port``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_WorkerCollector(telemetry))
@@ -29,9 +29,9 @@ def serve(telemetry: Telemetry, address: str, port: int) -> ThreadingHTTPServer:
 
 
 class _WorkerCollector(Collector):
-    """Builds the metric families from ``Telemetry.snapshot()`` at each scrape."""
+    """Builds the metric families from ``Observed.snapshot()`` at each scrape."""
 
-    def __init__(self, telemetry: Telemetry) -> None:
+    def __init__(self, telemetry: Observed) -> None:
         self.telemetry = telemetry
 
     def collect(self) -> Iterator[Metric]:
@@ -94,7 +94,7 @@ class _WorkerCollector(Collector):
         yield gauge("applier_probe_ok", "1 when the last probe reached both servers.", int(ok))
 
 
-def _handler(telemetry: Telemetry, registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
+def _handler(telemetry: Observed, registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - the http.server API
             path = self.path.split("?", 1)[0]

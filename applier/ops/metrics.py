@@ -30,6 +30,7 @@ from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from .lag import Lag, LagLimit, measure_lag, parse_lag_limit
 from .logs import set_log_context
+from .observed import Probe
 from .status import done_position, source_wal_position
 
 if TYPE_CHECKING:
@@ -42,22 +43,6 @@ if TYPE_CHECKING:
 __all__ = ["Telemetry"]
 
 log = logging.getLogger(__name__)
-
-#: Row-change kinds ``Applier.counts`` counts (besides "transactions").
-ROW_KINDS = ("insert", "update", "delete", "truncate")
-
-
-@dataclass
-class Probe:
-    """The latest probe results; replaced whole, so readers never see half an update."""
-
-    at: float                       # time.monotonic() of the probe
-    source_rtt: float | None
-    target_rtt: float | None
-    source_lsn: LSN | None
-    lag: Lag | None
-    error: str | None
-
 
 class Telemetry:
     """What ``applier run`` exposes about itself. Inert unless ``start()`` is called with a port."""

@@ -24,6 +24,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError
 
+from ..assembler.buffer import default_spill_dir
 from ..config import Settings, mask_dsn
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.records import Progress
@@ -117,7 +118,6 @@ def collect_status(settings: Settings) -> StatusReport:
         notes.append("nothing applied yet for this slot on the target")
     lag = measure_lag(wal_lsn, done_position(progress, slot.confirmed_flush_lsn if slot else None),
                       progress.commit_time if progress else None, datetime.now(timezone.utc))
-    from ..worker import default_spill_dir  # the worker owns where it spills
     spill_dir = Path(settings.values.get("spill_dir") or default_spill_dir(slot_name))
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,

@@ -51,6 +51,13 @@ class MemoryStore:
         self._open: list[_Op] | None = None          # writes of the open transaction
         self._prepared: dict[str, list[_Op]] = {}     # writes held by prepared transactions
 
+    def another_session(self) -> MemoryStore:
+        """The same database seen from another session: what is committed (and prepared) is
+        shared, each session's open transaction is its own."""
+        other = MemoryStore(self.slot)
+        other._committed, other._prepared = self._committed, self._prepared
+        return other
+
     # -- transactions (driven by the fake target session) ------------------------------------------
     def begin(self) -> None:
         self._open = []
@@ -74,8 +81,9 @@ class MemoryStore:
     def _write(self, op: _Op) -> Any:
         if self._open is None:
             return op(self._committed)  # autocommit
+        view = self._view()  # what the statement returns, as seen inside the transaction
         self._open.append(op)
-        return op(self._view())  # what the statement returns, as seen inside the transaction
+        return op(view)
 
     def _view(self) -> _State:
         """The state as the open transaction sees it: committed, plus its own writes."""

@@ -2,6 +2,6 @@
 (``session``), and the stream loop of a session (``loop``).
 """
 
-from .lifecycle import Worker, WorkerFailed, default_spill_dir, run
+from .lifecycle import Worker, WorkerFailed, run
 
-__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
+__all__ = ["Worker", "WorkerFailed", "run"]

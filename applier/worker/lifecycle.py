@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +35,7 @@ from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from ..apply.skipping import describe_request
+from ..assembler.buffer import default_spill_dir
 from ..config import ConfigError, Settings, mask_dsn
 from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decide
 from ..headstart import HeadStart
@@ -46,7 +46,7 @@ from ..progress.schema import make_engine, upgrade_schema
 from .loop import StopRequested
 from .session import ReplicationSession, SessionState
 
-__all__ = ["Worker", "WorkerFailed", "default_spill_dir", "run"]
+__all__ = ["Worker", "WorkerFailed", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -186,15 +186,6 @@ def _tune_gc() -> None:
     allocations (a few MB of objects at most)."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
-
-
-def default_spill_dir(slot: str) -> Path:
-    """Where a slot's streamed transactions spill when --spill-dir is not given."""
-    return Path(tempfile.gettempdir()) / f"applier-spill-{_safe(slot)}"
-
-
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in name)
 
 
 def run(settings: Settings, head_start: HeadStart | None = None) -> int:

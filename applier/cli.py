@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from . import __version__
-from .config import OPTIONS, ConfigError, Settings, load_settings
+from .config import ConfigError, Settings, load_settings, options_for
 from .ops.logs import configure_logging
 
 __all__ = ["main", "build_parser"]
@@ -55,12 +55,10 @@ _EPILOG = ("Every option can also be set in a TOML config file (--config, or APP
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file with any of these options "
                         "(keys as the long option names, with - or _).")
-    for option in OPTIONS:
-        if command not in option.commands:
-            continue
+    for option in options_for(command):
         help_text = f"{option.help} [env {option.env}]"
-        if option.default is not None and option.kind != "bool":
-            help_text += f" (default: {option.default})"
+        if option.default_text is not None and option.kind != "bool":
+            help_text += f" (default: {option.default_text})"
         if option.kind == "bool":
             parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
                                 default=None, help=help_text)
@@ -170,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = load_settings(args.command, cli_values, args.config)
     except ConfigError as exc:
         parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
-    configure_logging(settings.values.get("log_level", "INFO"), settings.values.get("log_format", "text"))
+    configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not news
     try:
         return runner(settings)

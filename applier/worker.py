@@ -237,7 +237,7 @@ class Worker:
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
                      mask_dsn(self.settings.source), mask_dsn(self.settings.target))
-            if self.settings.values.get("skip_lsn") is not None:
+            if self.settings.skip_lsn is not None:
                 self._with_retry(self._request_skip)
             _tune_gc()
             self._with_retry(self._session)
@@ -407,16 +407,16 @@ class Worker:
                              synchronous_commit=self.settings.synchronous_commit)
 
     def _extensions(self, target: TargetSession, options: StreamOptions) -> Extensions:
-        settings = self.settings.values
+        settings = self.settings
         try:
             return setup_extensions(
                 target, self.slot, two_phase=options.two_phase,
-                two_phase_mode=settings.get("two_phase_mode") or "auto",
-                replication_origin=settings.get("replication_origin"),
-                skip_origins=settings.get("skip_origin") or (),
-                message_sink=settings.get("message_sink") or "table",
-                message_prefixes=settings.get("message_prefix") or (),
-                conflict_policy=settings.get("conflict_policy") or (), warn=self._warn_once)
+                two_phase_mode=settings.two_phase_mode,
+                replication_origin=settings.replication_origin,
+                skip_origins=settings.skip_origin,
+                message_sink=settings.message_sink,
+                message_prefixes=settings.message_prefix,
+                conflict_policy=settings.conflict_policy, warn=self._warn_once)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from ..config import Settings, mask_dsn
 from ..progress.store import make_engine
 from ..protocol.lsn import LSN
-from .lag import Lag, measure_lag, parse_lag_limit
+from .lag import Lag, measure_lag
 
 __all__ = ["Progress", "SlotState", "StatusReport", "read_progress", "read_slot",
            "source_wal_position", "status", "collect_status", "StatusError"]
@@ -144,12 +144,13 @@ def done_position(progress: Progress | None, confirmed: LSN | None) -> LSN:
 
 def collect_status(settings: Settings) -> StatusReport:
     settings.require("source", "target", "slot")
-    slot_name: str = settings.slot
-    limit = parse_lag_limit(settings.max_lag) if settings.values.get("max_lag") else None
-    with _reading("source", settings.source) as source:
+    source_dsn, target_dsn, slot_name = settings.source, settings.target, settings.slot
+    assert source_dsn and target_dsn and slot_name  # required just above
+    limit = settings.max_lag
+    with _reading("source", source_dsn) as source:
         database, wal_lsn = source_wal_position(source)
         slot = read_slot(source, slot_name)
-    with _reading("target", settings.target) as target:
+    with _reading("target", target_dsn) as target:
         tables = bookkeeping_tables(target)
         progress = read_progress(target, slot_name, tables)
         prepared = _prepared_transactions(target, slot_name, tables)
@@ -169,7 +170,7 @@ def collect_status(settings: Settings) -> StatusReport:
     lag = measure_lag(wal_lsn, done_position(progress, slot.confirmed_flush_lsn if slot else None),
                       progress.commit_time if progress else None, datetime.now(timezone.utc))
     from ..worker import default_spill_dir  # the worker owns where it spills
-    spill_dir = Path(settings.values.get("spill_dir") or default_spill_dir(slot_name))
+    spill_dir = settings.spill_dir or default_spill_dir(slot_name)
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,
         retained_wal_bytes=(max(0, int(wal_lsn) - int(slot.restart_lsn))
@@ -342,7 +343,7 @@ def status(settings: Settings) -> int:
     except StatusError as exc:
         print(f"applier status: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if settings.values.get("json"):
+    if settings.json:
         print(json.dumps(report.as_json(), indent=2))
     else:
         print(render_table(report))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.config import ConfigError, mask_dsn
+from applier.config import ConfigError, load_settings, mask_dsn
 from applier.ops import logs
 from applier.ops.lag import Lag, measure_lag, parse_lag_limit
 from applier.ops.reference import config_reference, readme_block
@@ -47,8 +47,9 @@ def test_lag_limit_exceeded() -> None:
 
 
 def test_bad_lag_limit_says_what_is_valid() -> None:
+    """Checked when the settings load, so the command stops before it connects anywhere."""
     with pytest.raises(ConfigError, match=r"max_lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
-        parse_lag_limit("5 parsecs")
+        load_settings("status", {"max_lag": "5 parsecs"}, None, {})
 
 
 def test_passwords_inside_longer_text_are_masked_without_eating_the_rest() -> None:

@@ -54,13 +54,18 @@ def _parse_lag(value: str | int | LagLimit) -> LagLimit:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting, as every front end sees it."""
+    """One setting of one or more commands, as every front end sees it.
+
+    A name may have several entries for disjoint sets of commands where its meaning or default
+    differs by command (``--slot`` of ``verify`` is optional, of ``run`` required); they share
+    one ``Settings`` field, so they must share ``kind``.
+    """
 
     name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
     help: str                      # says what the default means when ``default`` cannot show it
-    kind: str = "str"              # str | int | bool | size | list | choice | path | lsn | lag
+    kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
     default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
-    choices: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
     secret: bool = False           # DSNs: passwords are masked wherever the value is shown
     repeatable: bool = False       # list options given several times on the command line
@@ -89,6 +94,8 @@ class Option:
             return value.text
         if isinstance(value, list):
             return ",".join(value)
+        if isinstance(value, float):
+            return f"{value:g}"  # 10, not 10.0
         return str(value)
 
     def _choice(self, raw: Any) -> str:
@@ -105,7 +112,7 @@ class Option:
         if raw is None:
             return None
         converters: dict[str, Callable[[Any], Any]] = {
-            "str": str, "int": int, "bool": _parse_bool, "size": parse_size,
+            "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
             "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
         }
@@ -113,22 +120,32 @@ class Option:
             value = converters[self.kind](raw)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
-        if self.kind == "choice" and value not in self.choices:
+        if self.choices and str(value) not in self.choices:
             raise ConfigError(f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
         return value
 
 
 _REPLICATION = ("run", "sync", "peek")
+#: Commands that print their own result: logging only adds warnings unless asked for more.
+_REPORTING = ("verify", "pipeline", "demo")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_SPARK = "For verify --engine spark and pipeline: "
 
 OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
-           "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status",)),
+           "other libpq options pass through.", secret=True,
+           commands=_REPLICATION + ("status", "verify")),
     Option("target", "libpq connection string or URL of the target (replica) database.",
-           secret=True, commands=("run", "sync", "status", "skip")),
+           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline")),
     Option("slot", "Logical replication slot on the source that this worker consumes.",
            commands=_REPLICATION + ("status", "skip")),
-    Option("publication", "Publication name(s) on the source, comma separated.", kind="list",
-           default=[], commands=_REPLICATION),
+    Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
+           metavar="NAME", commands=("verify",)),
+    Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
+           "one the target has.", metavar="NAME", commands=("pipeline",)),
+    Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
+           "and peek receive, whose tables verify compares.", kind="list", default=[],
+           commands=_REPLICATION + ("verify",)),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
            default=False, commands=("run",)),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
@@ -233,12 +250,14 @@ OPTIONS: tuple[Option, ...] = (
            "stderr is not a terminal (a terminal gets a live display).", kind="int", default=10,
            commands=("sync",)),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
-           kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-           commands=("run", "sync", "peek", "status", "demo", "skip")),
+           kind="choice", choices=_LOG_LEVELS, commands=("run", "sync", "peek", "status", "skip")),
+    Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR (this command prints its "
+           "result itself; logging adds warnings).", default="WARNING", kind="choice",
+           choices=_LOG_LEVELS, commands=_REPORTING),
     # -- operations (applier/ops) -----------------------------------------------------------------
     Option("log_format", "Log line format: text (for people) or json (one object per line with "
            "slot, lsn and xid fields).", default="text", kind="choice", choices=("text", "json"),
-           commands=("run", "sync", "peek", "status", "demo")),
+           commands=("run", "sync", "peek", "status", "skip") + _REPORTING),
     Option("metrics_port", "Serve Prometheus metrics on this TCP port at /metrics, with /healthz "
            "(live) and /readyz (streaming and within --ready-max-lag). Default: no server.",
            kind="int"),
@@ -246,18 +265,53 @@ OPTIONS: tuple[Option, ...] = (
     Option("ready_max_lag", "/readyz fails while the apply lag exceeds this: a size of WAL "
            "(e.g. 64MB) or a duration (e.g. 30s, 5min).", kind="lag",
            default=parse_lag_limit("60s")),
-    Option("json", "Print the status as JSON instead of a table.", kind="bool", default=False,
-           commands=("status",)),
+    Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
+           commands=("status", "verify")),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
            "64MB) or a duration (e.g. 30s, 5min).", kind="lag",
            commands=("status",)),
+    # -- verify and pipeline (applier/verify.py, applier/spark) -----------------------------------
+    Option("table", "Compare only this published table (schema.table or table); repeatable. "
+           "Default: every table of the publications.", kind="list", default=[], repeatable=True,
+           metavar="TABLE", commands=("verify",)),
+    Option("table", "Replicated table to aggregate (schema.table or table).", kind="list",
+           default=["orders"], metavar="TABLE", commands=("pipeline",)),
+    Option("engine", "sql: compare inside the databases; spark: with PySpark, for tables too "
+           "large for one machine.", kind="choice", choices=("sql", "spark"), default="sql",
+           commands=("verify",)),
+    Option("settle", "Compare differing tables again for up to this many seconds, so that "
+           "changes still in flight to a live replica are not reported; 0: compare once.",
+           kind="float", default=10.0, metavar="SECONDS", commands=("verify",)),
+    Option("max_keys", "List at most N keys per table and kind of difference (missing, extra, "
+           "changed).", kind="int", default=100, commands=("verify",)),
+    Option("master", _SPARK + "Spark master URL. Default: local[*] (this machine, every core).",
+           metavar="URL", commands=("verify", "pipeline")),
+    Option("jdbc_jar", _SPARK + "PostgreSQL JDBC driver jar. Default: Debian's "
+           "libpostgresql-jdbc-java, else the newest in the local Maven repository (~/.m2).",
+           kind="path", metavar="PATH", commands=("verify", "pipeline")),
+    Option("group_by", "Column to group by.", default="customer_id", metavar="COLUMN",
+           commands=("pipeline",)),
+    Option("measure", "Numeric column to sum per group.", default="total", metavar="COLUMN",
+           commands=("pipeline",)),
+    Option("output", "Directory of the Parquet result and its state file. Required.", kind="path",
+           commands=("pipeline",)),
+    Option("lsn_column", "pg_lsn column the source stamps on every write; when the table has it, "
+           "runs after the first process only what changed.", default="_source_lsn",
+           metavar="COLUMN", commands=("pipeline",)),
+    Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
+           default=False, commands=("pipeline",)),
+    # -- demo (applier/demo.py) ---------------------------------------------------------------------
+    Option("pg_version", "PostgreSQL major version of both throwaway servers.", kind="int",
+           default=18, choices=("15", "18"), commands=("demo",)),
+    Option("seconds", "How long the live workload writes while the worker streams.", kind="float",
+           default=15.0, metavar="SECONDS", commands=("demo",)),
+    Option("keep", "Leave both servers running at the end and print their connection strings.",
+           kind="bool", default=False, commands=("demo",)),
 )
-
-OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
 
 
 def options_for(command: str) -> tuple[Option, ...]:
-    """The options ``command`` takes."""
+    """The options ``command`` takes, one entry per name."""
     return tuple(option for option in OPTIONS if command in option.commands)
 
 
@@ -265,8 +319,8 @@ def options_for(command: str) -> tuple[Option, ...]:
 class Settings:
     """Resolved settings for one command: a typed field per option name.
 
-    Every field is set, also for options the command does not take (to their default), so
-    ``sync`` can go on as ``run``. ``sources`` says where each of the command's own
+    Every field is set, also for options the command does not take (to their first entry's
+    default), so ``sync`` can go on as ``run``. ``sources`` says where each of the command's own
     options came from: 'default', 'file', 'env' or 'cli'.
     """
 
@@ -317,6 +371,22 @@ class Settings:
     ready_max_lag: LagLimit
     json: bool
     max_lag: LagLimit | None
+    # -- verify and pipeline
+    table: list[str]
+    engine: Literal["sql", "spark"]
+    settle: float
+    max_keys: int
+    master: str | None
+    jdbc_jar: Path | None
+    group_by: str
+    measure: str
+    output: Path | None
+    lsn_column: str
+    full: bool
+    # -- demo
+    pg_version: int
+    seconds: float
+    keep: bool
     # -- provenance
     sources: Mapping[str, str]
 
@@ -326,15 +396,21 @@ class Settings:
         return {name: getattr(self, name) for name in self.sources}
 
     def require(self, *names: str) -> None:
-        missing = [OPTIONS_BY_NAME[n] for n in names if getattr(self, n) in (None, [], "")]
+        missing = [_entry(self.command, n) for n in names if getattr(self, n) in (None, [], "")]
         if missing:
             listed = ", ".join(f"{o.flag} (or {o.env}, or '{o.name}' in the config file)" for o in missing)
             raise ConfigError(f"missing required setting(s): {listed}")
 
     def describe(self) -> dict[str, Any]:
         """The command's settings as they may be logged: DSN passwords masked."""
-        return {name: mask_dsn(value) if value and OPTIONS_BY_NAME[name].secret else value
+        return {name: mask_dsn(value) if value and _entry(self.command, name).secret else value
                 for name, value in self.values.items()}
+
+
+def _entry(command: str, name: str) -> Option:
+    """The entry of option ``name`` for ``command``, else its first entry."""
+    entries = [option for option in OPTIONS if option.name == name]
+    return next((option for option in entries if command in option.commands), entries[0])
 
 
 # Neither part may span whitespace or a slash, so a password inside a longer log line is masked
@@ -363,8 +439,8 @@ def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path
         file_values = _read_config_file(path)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for option in OPTIONS:
-        name = option.name
+    for name in dict.fromkeys(option.name for option in OPTIONS):
+        option = _entry(command, name)
         # Converting the default too gives each Settings its own list to keep.
         value, origin = option.convert(option.default), "default"
         if command in option.commands:
@@ -391,7 +467,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     values = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(values) - set(OPTIONS_BY_NAME))
+    unknown = sorted(set(values) - {option.name for option in OPTIONS})
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
                           "see config/applier.example.toml for the valid names")
@@ -425,6 +501,11 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("memory_budget must be at least 64kB")
     if settings.conflict_policy:
         parse_conflict_policies(settings.conflict_policy)
+    if settings.command == "pipeline" and len(settings.table) != 1:
+        raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
+    for name in ("settle", "seconds", "max_keys"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{name} must not be negative")
 
 
 #: Conflict policies (--conflict-policy): the source wins, stop, or the target row wins.
@@ -497,6 +578,8 @@ _SAMPLES: dict[str, Any] = {
     "target": "postgresql://applier@replica.example:5432/app?sslmode=verify-full",
     "slot": "applier_app", "publication": ["app_pub"], "spill_dir": "/var/lib/applier/spill",
     "skip_lsn": "16/B374D848", "lsn": "16/B374D848", "metrics_port": 9188, "max_lag": "64MB",
+    "master": "spark://spark.example:7077", "jdbc_jar": "/usr/share/java/postgresql.jar",
+    "output": "/var/lib/applier/pipeline",
 }
 _KIND_SAMPLES: dict[str, Any] = {"bool": True, "int": 4, "str": ""}
 

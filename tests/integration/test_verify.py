@@ -3,7 +3,6 @@ by key, with the SQL engine (PostgreSQL 15 and 18) and the Spark engine (one ver
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -12,7 +11,8 @@ import re
 
 import pytest
 
-from applier.verify import add_arguments, run_verify
+from applier.cli import parse_settings
+from applier.verify import run_verify
 
 from replication import create_slot, run_worker
 
@@ -51,13 +51,11 @@ def _replicate(source_db, target_db) -> None:
 
 
 def _verify(source_db, target_db, *extra: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--source", source_db.dsn, "--target", target_db.dsn,
-                              "--publication", "pub,pub_eu", "--settle", "0", *extra])
+    settings = parse_settings(["verify", "--source", source_db.dsn, "--target", target_db.dsn,
+                               "--publication", "pub,pub_eu", "--settle", "0", *extra], {})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = run_verify(args)
+        rc = run_verify(settings)
     return rc, out.getvalue()
 
 

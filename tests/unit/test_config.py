@@ -132,7 +132,7 @@ def test_settings_has_one_field_per_option_name() -> None:
     assert not {"values", "require", "describe"} & {option.name for option in OPTIONS}
 
 
-@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: f"{o.name}:{o.commands[0]}")
 def test_every_default_type_checks_against_its_field(option) -> None:
     hint = HINTS[option.name]
     assert conforms(option.default, hint), f"{option.name}: default {option.default!r} is not {hint}"
@@ -151,8 +151,16 @@ def test_example_values_type_check_against_their_fields() -> None:
         assert conforms(value, HINTS[option.name]), (option.name, value)
 
 
+def test_entries_of_one_name_share_a_field_and_split_the_commands() -> None:
+    for name in {option.name for option in OPTIONS}:
+        entries = [option for option in OPTIONS if option.name == name]
+        assert len({(o.kind, o.secret) for o in entries}) == 1, name
+        commands = [c for o in entries for c in o.commands]
+        assert len(commands) == len(set(commands)), f"{name}: a command has two entries"
+
+
 def test_settings_are_frozen_and_fully_typed_for_every_command() -> None:
-    for command in ("run", "sync", "peek", "status", "skip"):
+    for command in ("run", "sync", "peek", "status", "skip", "verify", "pipeline", "demo"):
         settings = load_settings(command, {}, None, {})
         assert set(settings.sources) == {o.name for o in options_for(command)}
         for field in dataclasses.fields(Settings):
@@ -162,9 +170,23 @@ def test_settings_are_frozen_and_fully_typed_for_every_command() -> None:
         settings.slot = "x"  # type: ignore[misc]
 
 
-def test_defaults_come_from_the_table() -> None:
+def test_defaults_come_from_the_table_per_command() -> None:
     assert load_settings("run", {}, None, {}).log_level == "INFO"
+    assert load_settings("verify", {}, None, {}).log_level == "WARNING"
+    assert load_settings("verify", {}, None, {}).table == []
+    assert load_settings("pipeline", {}, None, {}).table == ["orders"]
     assert load_settings("run", {}, None, {}).ready_max_lag.seconds == 60
     assert load_settings("sync", {}, None, {}).create_slot is False  # sync goes on as run
     first, second = load_settings("run", {}, None, {}), load_settings("run", {}, None, {})
     assert first.publication is not second.publication  # no list shared between settings
+
+
+@pytest.mark.parametrize("command, values, message", [
+    ("pipeline", {"table": "a,b"}, "pipeline aggregates one table, not 2"),
+    ("demo", {"pg_version": "16"}, "pg_version: 16 is not one of 15, 18"),
+    ("verify", {"settle": "soon"}, "settle: could not convert"),
+    ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),
+])
+def test_bad_values_of_every_command_are_named(command: str, values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(command, values, None, {})

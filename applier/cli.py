@@ -2,7 +2,8 @@
 
 Wiring only; no logic beyond it. Every option of every command comes from ``config.OPTIONS``, so
 that the command line, the environment (``APPLIER_*``), the config file and the documentation
-stay one list; every command's settings come from ``config.load_settings``. Must never import a
+stay one list; every command's settings come from ``config.load_settings``; a bad option or
+setting ends the command with its own usage and exit status 2. Must never import a
 command's module before that command was chosen: ``run`` starts in a fraction of a second, and
 the Spark and demo modules are slow to import.
 """
@@ -68,8 +69,9 @@ def _help(option: Option) -> str:
 
 
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument("--config", type=Path, help="TOML config file with any of these options "
-                        "(keys as the long option names, with - or _).")
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML config file with any of these options (keys as the long option "
+                             "names, with - or _). Default: the file APPLIER_CONFIG names, if set.")
     for option in options_for(command):
         common: dict[str, Any] = {"dest": option.name, "default": None, "help": _help(option)}
         if option.kind == "bool":
@@ -82,16 +84,11 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif option.choices:
             parser.add_argument(option.flag, choices=option.choices, **common)
         else:
-            metavar = option.metavar or {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]",
-                                         "path": "DIR", "lsn": "LSN"}.get(option.kind,
-                                                                          "DSN" if option.secret else "NAME")
-            parser.add_argument(option.flag, metavar=metavar,
+            parser.add_argument(option.flag, metavar=option.placeholder,
                                 action="append" if option.repeatable else "store", **common)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole command line; with ``command``, only that command gets its options (argparse
-    parses no other), which keeps the start of ``run`` short."""
+def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="applier",
         description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
@@ -100,28 +97,40 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         epilog=_SETTINGS)
     parser.add_argument("--version", action="version", version=f"applier {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subs: dict[str, argparse.ArgumentParser] = {}
     for name, summary in COMMANDS.items():
-        sub = commands.add_parser(name, help=summary, description=summary, epilog=_SETTINGS)
+        subs[name] = commands.add_parser(name, help=summary, description=summary, epilog=_SETTINGS)
         if command is None or name == command:
-            _add_options(sub, name)
-    return parser
+            _add_options(subs[name], name)
+    return parser, subs
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; with ``command``, only that command gets its options (argparse
+    parses no other), which keeps the start of ``run`` short."""
+    return _build(command)[0]
 
 
 def _parse(arguments: Sequence[str], environ: Mapping[str, str] | None
            ) -> tuple[argparse.ArgumentParser, Settings]:
-    """The parser and the chosen command's settings; bad usage exits with status 2."""
-    parser = build_parser(arguments[0] if arguments and arguments[0] in COMMANDS else None)
-    args = parser.parse_args(arguments)
+    """The chosen command's parser and settings; bad usage exits with that command's usage."""
+    chosen = arguments[0] if arguments and arguments[0] in COMMANDS else None
+    parser, subs = _build(chosen)
+    # parse_args would report an unknown option of a command with the top-level usage.
+    args, unknown = parser.parse_known_args(arguments)
+    usage = subs[args.command]
+    if unknown:
+        usage.error(f"unrecognized arguments: {' '.join(unknown)}")
     cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
-        return parser, load_settings(args.command, cli_values, args.config, environ)
+        return usage, load_settings(args.command, cli_values, args.config, environ)
     except ConfigError as exc:
-        parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
+        usage.error(str(exc))
 
 
 def parse_settings(arguments: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
     """The settings ``applier ARGUMENTS`` would run with (``environ``: os.environ by default);
-    exits with status 2 when they are bad, as ``main`` does."""
+    exits with status 2 and the command's usage when they are bad, as ``main`` does."""
     return _parse(arguments, environ)[1]
 
 
@@ -160,14 +169,14 @@ def _start_up() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     with _start_up():
-        parser, settings = _parse(sys.argv[1:] if argv is None else list(argv), None)
+        usage, settings = _parse(sys.argv[1:] if argv is None else list(argv), None)
         runner = _runner(settings.command)
     configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not news
     try:
         return int(runner(settings))
     except ConfigError as exc:
-        parser.exit(2, f"applier {settings.command}: configuration error: {exc}\n")
+        usage.error(str(exc))
     except KeyboardInterrupt:
         return 130
 

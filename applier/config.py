@@ -52,6 +52,11 @@ def _parse_lag(value: str | int | LagLimit) -> LagLimit:
     return value if isinstance(value, LagLimit) else parse_lag_limit(str(value))
 
 
+#: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
+_PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                 "lsn": "LSN", "lag": "SIZE|DURATION"}
+
+
 @dataclass(frozen=True)
 class Option:
     """One setting of one or more commands, as every front end sees it.
@@ -78,6 +83,13 @@ class Option:
     @property
     def env(self) -> str:
         return "APPLIER_" + self.name.upper()
+
+    @property
+    def placeholder(self) -> str | None:
+        """What the command line shows for the value (None: a flag, or a choice of its own)."""
+        if self.kind in ("bool", "choice") or self.choices:
+            return None
+        return self.metavar or _PLACEHOLDERS.get(self.kind) or ("DSN" if self.secret else None)
 
     @property
     def default_text(self) -> str | None:
@@ -133,18 +145,19 @@ _SPARK = "For verify --engine spark and pipeline: "
 
 OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
-           "other libpq options pass through.", secret=True,
+           "other libpq options pass through. Required.", secret=True,
            commands=_REPLICATION + ("status", "verify")),
-    Option("target", "libpq connection string or URL of the target (replica) database.",
+    Option("target", "libpq connection string or URL of the target (replica) database. Required.",
            secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline")),
-    Option("slot", "Logical replication slot on the source that this worker consumes.",
+    Option("slot", "Logical replication slot on the source: the one run and sync consume, peek "
+           "reads without consuming, status and skip report on. Required.", metavar="NAME",
            commands=_REPLICATION + ("status", "skip")),
     Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
            metavar="NAME", commands=("verify",)),
     Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
            "one the target has.", metavar="NAME", commands=("pipeline",)),
     Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
-           "and peek receive, whose tables verify compares.", kind="list", default=[],
+           "and peek receive, whose tables verify compares. Required.", kind="list", default=[],
            commands=_REPLICATION + ("verify",)),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
            default=False, commands=("run",)),
@@ -164,7 +177,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),
     Option("origin", "Publisher-side origin filter (PostgreSQL 16+): 'none' sends only changes "
-           "that originated on the source itself, 'any' sends everything.", kind="choice", choices=("any", "none"), commands=_REPLICATION),
+           "that originated on the source itself, 'any' sends everything. Default: no filter "
+           "(as any).", kind="choice", choices=("any", "none"), commands=_REPLICATION),
     Option("two_phase_mode", "How prepared source transactions are applied when two-phase "
            "decoding is on. prepare: applied and PREPAREd on the target at once, committed or "
            "rolled back when the source does. defer: held durably in the applier schema and "
@@ -174,13 +188,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("skip_origin", "Drop source transactions that came from this replication origin (the "
            "name in their Origin message); repeatable. With two workers replicating in opposite "
            "directions, give each the other's --replication-origin to stop loops on PostgreSQL "
-           "15 (16+ can use --origin none instead).", kind="list",
+           "15 (16+ can use --origin none instead). Default: drop none.", kind="list",
            default=[], repeatable=True, metavar="NAME"),
     Option("replication_origin", "Replication origin that tags the worker's writes on the target, "
            "so a replication out of the target with origin=none (or --skip-origin) ignores them. "
            "Default: applier_<slot>_<target database>; 'none' leaves the writes untagged. Needs "
            "superuser or EXECUTE on pg_replication_origin_create/_session_setup; without them "
-           "the worker logs it once and runs untagged."),
+           "the worker logs it once and runs untagged.", metavar="NAME"),
     Option("message_sink", "Where --messages delivers pg_logical_emit_message payloads: 'table' "
            "(applier.messages on the target; transactional ones in their own transaction) or "
            "'log'.", kind="choice", choices=("table", "log"), default="table"),
@@ -193,16 +207,16 @@ OPTIONS: tuple[Option, ...] = (
            "repeatable. Default: apply.", kind="list", default=[], repeatable=True,
            metavar="[SCHEMA.TABLE=]POLICY"),
     Option("skip_lsn", "Skip the one source transaction that finishes (commits or prepares) at "
-           "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions.",
-           kind="lsn"),
+           "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions. "
+           "Default: skip nothing.", kind="lsn"),
     Option("lsn", "Finish LSN (commit or prepare LSN) of the source transaction to skip, as the "
-           "worker's error message names it.", kind="lsn", commands=("skip",)),
+           "worker's error message names it. Required.", kind="lsn", commands=("skip",)),
     Option("sql", "Peek over the SQL interface (pg_logical_slot_peek_binary_changes) instead of "
            "the replication protocol.", kind="bool", default=False, commands=("peek",)),
-    Option("limit", "Stop after printing this many messages.", kind="int",
+    Option("limit", "Stop after printing this many messages. Default: no limit.", kind="int",
            commands=("peek",)),
     Option("timeout", "Stop after this many seconds without a new message.", kind="int",
-           default=5, commands=("peek",)),
+           default=5, metavar="SECONDS", commands=("peek",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
            "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
@@ -220,11 +234,11 @@ OPTIONS: tuple[Option, ...] = (
            "per target transaction before it commits; also the most rows held in memory.",
            kind="int", default=20000),
     Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits "
-           "(at most half of --memory-budget is used: the batch counts against the budget too).",
-           kind="size", default=8 * 1024**2),
+           "(at most half of --memory-budget is used: the batch counts against the budget too). "
+           "Units kB, MB, GB.", kind="size", default=8 * 1024**2),
     Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
            "source transactions (it also commits whenever the stream is idle).", kind="int",
-           default=500),
+           default=500, metavar="MS"),
     Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "
            "slot is only told positions whose target commits the target has flushed to disk.",
            kind="choice", choices=("on", "off"), default="off"),
@@ -232,7 +246,7 @@ OPTIONS: tuple[Option, ...] = (
            "is applied and confirmed, instead of running until SIGTERM/SIGINT.", kind="bool",
            default=False),
     Option("status_interval", "Seconds between standby status updates to the source (at most 10).",
-           kind="int", default=10),
+           kind="int", default=10, metavar="SECONDS"),
     Option("jobs", "Copy sessions run in parallel by applier sync: several tables at once, and "
            "the block ranges of large tables.", kind="int", default=4, commands=("sync",)),
     Option("range_size", "applier sync cuts plain tables larger than this (on-disk size) into "
@@ -248,7 +262,7 @@ OPTIONS: tuple[Option, ...] = (
            commands=("sync",)),
     Option("progress_interval", "Seconds between copy progress log lines of applier sync when "
            "stderr is not a terminal (a terminal gets a live display).", kind="int", default=10,
-           commands=("sync",)),
+           metavar="SECONDS", commands=("sync",)),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
            kind="choice", choices=_LOG_LEVELS, commands=("run", "sync", "peek", "status", "skip")),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR (this command prints its "
@@ -260,15 +274,16 @@ OPTIONS: tuple[Option, ...] = (
            commands=("run", "sync", "peek", "status", "skip") + _REPORTING),
     Option("metrics_port", "Serve Prometheus metrics on this TCP port at /metrics, with /healthz "
            "(live) and /readyz (streaming and within --ready-max-lag). Default: no server.",
-           kind="int"),
-    Option("metrics_address", "Address the metrics server listens on.", default="0.0.0.0"),
+           kind="int", metavar="PORT"),
+    Option("metrics_address", "Address the metrics server listens on.", default="0.0.0.0",
+           metavar="ADDRESS"),
     Option("ready_max_lag", "/readyz fails while the apply lag exceeds this: a size of WAL "
            "(e.g. 64MB) or a duration (e.g. 30s, 5min).", kind="lag",
            default=parse_lag_limit("60s")),
     Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
            commands=("status", "verify")),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
-           "64MB) or a duration (e.g. 30s, 5min).", kind="lag",
+           "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
            commands=("status",)),
     # -- verify and pipeline (applier/verify.py, applier/spark) -----------------------------------
     Option("table", "Compare only this published table (schema.table or table); repeatable. "

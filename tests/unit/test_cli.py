@@ -1,15 +1,17 @@
-"""The command line of every command: one loader, whichever the command."""
+"""The command line of every command: one loader, one table of exit codes, help that explains."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from applier.cli import COMMANDS, parse_settings
-from applier.config import options_for
+from applier.cli import COMMANDS, main, parse_settings
+from applier.config import OPTIONS, options_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,6 +68,73 @@ def test_verify_reads_the_environment_like_every_command() -> None:
         0.0, "host=s", ["a", "b"], True)
     assert parse_settings(["verify", "--table", "x", "--table", "y"], {}).table == ["x", "y"]
     assert parse_settings(["demo", "--pg-version", "15", "--keep"], {}).pg_version == 15
+
+
+# -- usage errors ----------------------------------------------------------------------------------
+
+def _exits(capsys: pytest.CaptureFixture[str], arguments: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stopped:
+        main(arguments)
+    return stopped.value.code, capsys.readouterr().err  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["run", "--bogus"], "unrecognized arguments: --bogus"),
+    (["run", "--batch-rows", "many"], "batch_rows: invalid literal"),
+    (["run", "--streaming", "sometimes"], "invalid choice"),
+    (["status", "--max-lag", "5"], "max_lag: lag limit '5' has no unit"),
+    (["verify", "--config", "/nonexistent/applier.toml"], "does not exist"),
+    (["verify", "--source", "host=s", "--target", "host=t"], "missing required setting.*--publication"),
+    (["pipeline", "--target", "host=t"], "missing required setting.*--output"),
+    (["demo", "--pg-version", "16"], "invalid choice"),
+])
+def test_bad_usage_exits_2_with_the_commands_own_usage(capsys, arguments, message) -> None:
+    code, err = _exits(capsys, arguments)
+    assert code == 2
+    assert err.startswith(f"usage: applier {arguments[0]} "), err
+    assert re.search(message, err), err
+
+
+# -- help ------------------------------------------------------------------------------------------
+
+def _help(*arguments: str) -> str:
+    # Wide enough that argparse writes each option's help on one line.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")} | {"COLUMNS": "400"}
+    proc = subprocess.run([sys.executable, "-m", "applier", *arguments, "--help"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help_explains_every_option(command: str) -> None:
+    text = _help(command)
+    assert text.startswith(f"usage: applier {command} ")
+    # Each option: its line, and the help argparse puts on the next one when the flags are long.
+    entries = re.findall(r"^  (-.*\n(?:    .*\n)*)", text, re.MULTILINE)
+    for option in options_for(command):
+        (entry,) = [e for e in entries if re.match(rf"{option.flag}(?![\w-])", e)]
+        entry = " ".join(entry.split())
+        if option.placeholder:
+            assert entry.startswith(f"{option.flag} {option.placeholder}"), entry
+        assert option.help[:40] in entry
+        assert ("(default: " in entry or re.search(r"\b(Default|Required)\b", entry)), entry
+
+
+def test_sizes_and_lag_limits_read_as_people_write_them() -> None:
+    run = _help("run")
+    assert "(default: 64MB)" in run and "(default: 8MB)" in run and "67108864" not in run
+    assert "--metrics-address ADDRESS" in run and "--ready-max-lag SIZE|DURATION" in run
+    assert "(default: 60s)" in run
+    assert "--max-lag SIZE|DURATION" in _help("status")
+    assert "(default: 1GB)" in _help("sync")
+
+
+def test_every_option_has_help_and_a_placeholder() -> None:
+    for option in OPTIONS:
+        assert option.help.strip(), option.name
+        if option.kind not in ("bool", "choice") and not option.choices:
+            assert option.placeholder, f"{option.name} needs a metavar"
 
 
 def test_run_does_not_import_other_commands() -> None:

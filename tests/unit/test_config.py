@@ -186,6 +186,7 @@ def test_defaults_come_from_the_table_per_command() -> None:
     ("demo", {"pg_version": "16"}, "pg_version: 16 is not one of 15, 18"),
     ("verify", {"settle": "soon"}, "settle: could not convert"),
     ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),
+    ("status", {"max_lag": "5"}, "max_lag: lag limit '5' has no unit"),
 ])
 def test_bad_values_of_every_command_are_named(command: str, values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -3,7 +3,7 @@
 Wiring only; no logic beyond it. Every option of every command comes from ``config.OPTIONS``, so
 that the command line, the environment (``APPLIER_*``), the config file and the documentation
 stay one list; every command's settings come from ``config.load_settings``; a bad option or
-setting ends the command with its own usage and exit status 2. Must never import a
+setting ends the command with its own usage and ``ExitCode.USAGE``. Must never import a
 command's module before that command was chosen: ``run`` starts in a fraction of a second, and
 the Spark and demo modules are slow to import.
 """
@@ -15,6 +15,7 @@ import gc
 import importlib
 import logging
 import sys
+import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 
 from . import __version__
 from .config import ConfigError, Option, Settings, load_settings, options_for
+from .exit_codes import ExitCode, exit_code_summary, exit_code_table
 from .ops.logs import configure_logging
 
 __all__ = ["main", "build_parser", "parse_settings"]
@@ -45,6 +47,13 @@ COMMANDS: dict[str, str] = {
             "named by its finish LSN; crash-safe and recorded on the target.",
 }
 
+#: What the CHECK exit status means, for the commands that check something.
+_CHECKS: dict[str, str] = {
+    "status": "the slot is missing or the lag exceeds --max-lag",
+    "verify": "the tables differ",
+    "demo": "the target differs from the source",
+}
+
 #: Where each command's entry point lives (``run`` is below), imported once it is chosen.
 _RUNNERS: dict[str, tuple[str, str]] = {
     "sync": ("applier.sync.runner", "run_sync"),
@@ -59,6 +68,16 @@ _RUNNERS: dict[str, tuple[str, str]] = {
 _SETTINGS = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
              "as an environment variable APPLIER_<NAME>; the command line beats the environment, "
              "which beats the file. See config/applier.example.toml.")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Fills each line of a description or epilog on its own, and keeps indented lines as they
+    are: the exit status table is laid out already (argparse would run it into one paragraph)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line if line[:1].isspace() else
+                         textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
 
 
 def _help(option: Option) -> str:
@@ -90,16 +109,18 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
-        prog="applier",
+        prog="applier", formatter_class=_Formatter,
         description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
                     "(protocol 1-4) and applies each source transaction exactly once to a target "
                     "database.",
-        epilog=_SETTINGS)
+        epilog=f"{_SETTINGS}\n\n{exit_code_table()}")
     parser.add_argument("--version", action="version", version=f"applier {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subs: dict[str, argparse.ArgumentParser] = {}
     for name, summary in COMMANDS.items():
-        subs[name] = commands.add_parser(name, help=summary, description=summary, epilog=_SETTINGS)
+        subs[name] = commands.add_parser(
+            name, help=summary, description=summary, formatter_class=_Formatter,
+            epilog=f"{_SETTINGS}\n\n{exit_code_summary(_CHECKS.get(name))}")
         if command is None or name == command:
             _add_options(subs[name], name)
     return parser, subs
@@ -178,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         usage.error(str(exc))
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import psycopg
 
 from .config import Settings
 from .embedded import ServerSettings, start_server
+from .exit_codes import ExitCode
 from .verify import format_table, verify
 
 DEMO_GID = "demo-order-batch"
@@ -81,7 +82,7 @@ def _lag(source: psycopg.Connection) -> int:
 
 
 def run_demo(settings: Settings) -> int:
-    """``applier demo``: 0 when the target equals the source at the end, else 1."""
+    """``applier demo``: OK when the target equals the source at the end, else CHECK."""
     say = lambda text: print(text, flush=True)  # noqa: E731
     seconds = settings.seconds
     say(f"applier demo: starting two throwaway PostgreSQL {settings.pg_version} servers ...")
@@ -158,7 +159,7 @@ def run_demo(settings: Settings) -> int:
             f"{max_lag / 1024:.1f} kB, target {'equals' if equal else 'DIFFERS FROM'} source")
         if settings.keep:
             say(f"servers kept running:\n  source: {source_db.dsn}\n  target: {target_db.dsn}")
-        return 0 if equal else 1
+        return ExitCode.OK if equal else ExitCode.CHECK
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

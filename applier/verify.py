@@ -36,6 +36,7 @@ import psycopg
 from psycopg import sql
 
 from .config import Settings
+from .exit_codes import ExitCode
 from .spark.session import SparkUnavailable
 
 __all__ = ["TableResult", "TableSpec", "VerifyReport", "compare_sql", "published_tables",
@@ -415,7 +416,8 @@ def format_table(report: VerifyReport) -> str:
 
 
 def run_verify(settings: Settings) -> int:
-    """Exit 0 when every table is equal, 1 when any differs, 2 when comparing was impossible."""
+    """``applier verify``: OK when every table is equal, CHECK when any differs, FAILED when
+    comparing was impossible (a server, publication or table missing, no Spark)."""
     settings.require("source", "target", "publication")
     assert settings.source is not None and settings.target is not None  # required just above
     try:
@@ -425,9 +427,9 @@ def run_verify(settings: Settings) -> int:
                         jdbc_jar=settings.jdbc_jar)
     except (VerifyError, psycopg.Error) as exc:
         print(f"applier verify: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.FAILED
     except SparkUnavailable as exc:
         print(f"applier verify --engine spark: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.FAILED
     print(report.to_json() if settings.json else format_table(report))
-    return 0 if report.equal else 1
+    return ExitCode.OK if report.equal else ExitCode.CHECK

@@ -2,8 +2,9 @@
 
 Owns the read-only queries that describe a slot on the source and the bookkeeping on the target
 (also used by the metrics probe, so both report the same lag), and the status report: a table,
-or JSON with ``--json``. Exit status: 0 fine, 1 the slot is missing or a server could not be
-read, 3 the lag exceeds ``--max-lag``. Must never write to either database or touch the slot.
+or JSON with ``--json``. Exit status (``ExitCode``): OK; FAILED when a server could not be read;
+CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never write to either
+database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
 ``applier.skipped_transactions``, ``applier.origins``) are read only when the target's catalog has them, so status
@@ -25,14 +26,13 @@ from sqlalchemy import Connection, text
 from sqlalchemy.exc import DBAPIError
 
 from ..config import Settings, mask_dsn
+from ..exit_codes import ExitCode
 from ..progress.store import make_engine
 from ..protocol.lsn import LSN
 from .lag import Lag, measure_lag
 
 __all__ = ["Progress", "SlotState", "StatusReport", "read_progress", "read_slot",
            "source_wal_position", "status", "collect_status", "StatusError"]
-
-EXIT_OK, EXIT_FAILED, EXIT_LAGGING = 0, 1, 3
 
 #: Two-phase GIDs the worker prepares on the target start with this prefix.
 PREPARED_GID_PREFIX = "applier_"
@@ -84,10 +84,8 @@ class StatusReport:
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
 
-    def exit_status(self) -> int:
-        if self.slot is None:
-            return EXIT_FAILED
-        return EXIT_LAGGING if self.lag_exceeded else EXIT_OK
+    def exit_status(self) -> ExitCode:
+        return ExitCode.CHECK if self.slot is None or self.lag_exceeded else ExitCode.OK
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -342,7 +340,7 @@ def status(settings: Settings) -> int:
         report = collect_status(settings)
     except StatusError as exc:
         print(f"applier status: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if settings.json:
         print(json.dumps(report.as_json(), indent=2))
     else:

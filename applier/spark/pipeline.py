@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import cli
 from ..config import Settings
+from ..exit_codes import ExitCode
 from .reader import describe_table, open_snapshot, read_table
 from .session import SparkUnavailable, spark_session
 
@@ -133,16 +134,16 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
 
 
 def run_pipeline(settings: Settings) -> int:
-    """``applier pipeline``: prints the state of the new result."""
+    """``applier pipeline``: OK with the state of the new result printed, else FAILED."""
     settings.require("target", "output")
     try:
         spark = spark_session(settings.master, app_name="applier pipeline", jar=settings.jdbc_jar)
         state = run_pipeline_job(spark, settings)
     except (SparkUnavailable, LookupError) as exc:
         print(f"applier pipeline: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.FAILED
     print(json.dumps(state, indent=2))
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from applier import cli
 from applier.cli import COMMANDS, main, parse_settings
 from applier.config import OPTIONS, options_for
+from applier.exit_codes import ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +72,12 @@ def test_verify_reads_the_environment_like_every_command() -> None:
     assert parse_settings(["demo", "--pg-version", "15", "--keep"], {}).pg_version == 15
 
 
-# -- usage errors ----------------------------------------------------------------------------------
+# -- exit codes ------------------------------------------------------------------------------------
+
+def test_the_exit_codes() -> None:
+    assert [(c.name, c.value) for c in ExitCode] == [
+        ("OK", 0), ("FAILED", 1), ("USAGE", 2), ("CHECK", 3), ("INTERRUPTED", 130)]
+
 
 def _exits(capsys: pytest.CaptureFixture[str], arguments: list[str]) -> tuple[int, str]:
     with pytest.raises(SystemExit) as stopped:
@@ -90,9 +97,18 @@ def _exits(capsys: pytest.CaptureFixture[str], arguments: list[str]) -> tuple[in
 ])
 def test_bad_usage_exits_2_with_the_commands_own_usage(capsys, arguments, message) -> None:
     code, err = _exits(capsys, arguments)
-    assert code == 2
+    assert code == ExitCode.USAGE
     assert err.startswith(f"usage: applier {arguments[0]} "), err
     assert re.search(message, err), err
+
+
+def test_keyboard_interrupt_exits_130(monkeypatch) -> None:
+    def interrupted(settings: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_runner", lambda command: interrupted)
+    monkeypatch.setattr(cli, "configure_logging", lambda *args: None)  # leave pytest's alone
+    assert main(["status"]) == ExitCode.INTERRUPTED
 
 
 # -- help ------------------------------------------------------------------------------------------
@@ -106,10 +122,18 @@ def _help(*arguments: str) -> str:
     return proc.stdout
 
 
+def test_top_level_help_has_the_exit_code_table() -> None:
+    text = _help()
+    table = text[text.index("exit status:"):]
+    for code in ExitCode:
+        assert re.search(rf"^\s+{code.value}\s+{code.name}\s+\S", table, re.MULTILINE), table
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_command_help_explains_every_option(command: str) -> None:
     text = _help(command)
     assert text.startswith(f"usage: applier {command} ")
+    assert "exit status: 0 ok, 1 failed, 2 usage" in " ".join(text.split())
     # Each option: its line, and the help argparse puts on the next one when the flags are long.
     entries = re.findall(r"^  (-.*\n(?:    .*\n)*)", text, re.MULTILINE)
     for option in options_for(command):

@@ -1,7 +1,11 @@
-"""Command line: sub-commands and their options. Wiring only; no logic beyond it.
+"""Command line: sub-commands, their options, and the one way every command reads its settings.
 
-Every option comes from ``config.OPTIONS`` so that the command line, the environment
-(``APPLIER_*``), the config file and the documentation stay one list.
+Wiring only; no logic beyond it. Every option of every command comes from ``config.OPTIONS``, so
+that the command line, the environment (``APPLIER_*``), the config file and the documentation
+stay one list; every command's settings come from ``config.load_settings``; a bad option or
+setting ends the command with its own usage and ``ExitCode.USAGE``. Must never import a
+command's module before that command was chosen: ``run`` starts in a fraction of a second, and
+the Spark and demo modules are slow to import.
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ import gc
 import importlib
 import logging
 import sys
-from collections.abc import Callable, Iterator, Sequence
+import textwrap
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from . import __version__
-from .config import OPTIONS, ConfigError, Settings, load_settings
+from .config import ConfigError, Option, Settings, load_settings, options_for
+from .exit_codes import ExitCode, exit_code_summary, exit_code_table
 from .ops.logs import configure_logging
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "parse_settings"]
 
 log = logging.getLogger("applier")
 
@@ -40,90 +47,120 @@ COMMANDS: dict[str, str] = {
             "named by its finish LSN; crash-safe and recorded on the target.",
 }
 
-#: Commands with their own argument parsing: module, argument-adding function, runner.
-_STANDALONE: dict[str, tuple[str, str, str]] = {
-    "verify": ("applier.verify", "add_arguments", "run_verify"),
-    "pipeline": ("applier.spark.pipeline", "add_arguments", "run_pipeline"),
-    "demo": ("applier.demo", "add_arguments", "run_demo"),
+#: What the CHECK exit status means, for the commands that check something.
+_CHECKS: dict[str, str] = {
+    "status": "the slot is missing or the lag exceeds --max-lag",
+    "verify": "the tables differ",
+    "demo": "the target differs from the source",
 }
 
-_EPILOG = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
-           "as an environment variable APPLIER_<NAME>; the command line beats the environment, "
-           "which beats the file. See config/applier.example.toml.")
+#: Where each command's entry point lives (``run`` is below), imported once it is chosen.
+_RUNNERS: dict[str, tuple[str, str]] = {
+    "sync": ("applier.sync.runner", "run_sync"),
+    "peek": ("applier.peek", "peek"),
+    "skip": ("applier.skip", "run_skip"),
+    "status": ("applier.ops.status", "status"),
+    "verify": ("applier.verify", "run_verify"),
+    "pipeline": ("applier.spark.pipeline", "run_pipeline"),
+    "demo": ("applier.demo", "run_demo"),
+}
+
+_SETTINGS = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "
+             "as an environment variable APPLIER_<NAME>; the command line beats the environment, "
+             "which beats the file. See config/applier.example.toml.")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Fills each line of a description or epilog on its own, and keeps indented lines as they
+    are: the exit status table is laid out already (argparse would run it into one paragraph)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(indent + line if line[:1].isspace() else
+                         textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         for line in text.splitlines())
+
+
+def _help(option: Option) -> str:
+    text = option.help
+    if option.default_text is not None:
+        text += f" (default: {option.default_text})"
+    return (text + f" [env {option.env}]").replace("%", "%%")  # argparse formats help with %
 
 
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
-    parser.add_argument("--config", type=Path, help="TOML config file with any of these options "
-                        "(keys as the long option names, with - or _).")
-    for option in OPTIONS:
-        if command not in option.commands:
-            continue
-        help_text = f"{option.help} [env {option.env}]"
-        if option.default is not None and option.kind != "bool":
-            help_text += f" (default: {option.default})"
+    parser.add_argument("--config", type=Path, metavar="FILE",
+                        help="TOML config file with any of these options (keys as the long option "
+                             "names, with - or _). Default: the file APPLIER_CONFIG names, if set.")
+    for option in options_for(command):
+        common: dict[str, Any] = {"dest": option.name, "default": None, "help": _help(option)}
         if option.kind == "bool":
-            parser.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=help_text)
-        elif option.kind == "choice" and {"on", "off"} <= set(option.choices):
+            parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **common)
+        elif {"on", "off"} <= set(option.choices):
             # Once a boolean (--binary): the bare flag still means on, and --no-... off.
-            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
-                                nargs="?", const="on", help=help_text)
+            parser.add_argument(option.flag, choices=option.choices, nargs="?", const="on", **common)
             parser.add_argument("--no-" + option.flag[2:], dest=option.name, action="store_const",
                                 const="off", help=argparse.SUPPRESS)
-        elif option.kind == "choice":
-            parser.add_argument(option.flag, dest=option.name, choices=option.choices, default=None,
-                                help=help_text)
-        elif option.repeatable:
-            parser.add_argument(option.flag, dest=option.name, metavar=option.metavar or "VALUE",
-                                action="append",
-                                default=None, help=help_text)
+        elif option.choices:
+            parser.add_argument(option.flag, choices=option.choices, **common)
         else:
-            metavar = {"int": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
-                       "lsn": "LSN"}.get(option.kind, "DSN" if option.secret else "NAME")
-            parser.add_argument(option.flag, dest=option.name, metavar=metavar, default=None,
-                                help=help_text)
+            parser.add_argument(option.flag, metavar=option.placeholder,
+                                action="append" if option.repeatable else "store", **common)
+
+
+def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(
+        prog="applier", formatter_class=_Formatter,
+        description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
+                    "(protocol 1-4) and applies each source transaction exactly once to a target "
+                    "database.",
+        epilog=f"{_SETTINGS}\n\n{exit_code_table()}")
+    parser.add_argument("--version", action="version", version=f"applier {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subs: dict[str, argparse.ArgumentParser] = {}
+    for name, summary in COMMANDS.items():
+        subs[name] = commands.add_parser(
+            name, help=summary, description=summary, formatter_class=_Formatter,
+            epilog=f"{_SETTINGS}\n\n{exit_code_summary(_CHECKS.get(name))}")
+        if command is None or name == command:
+            _add_options(subs[name], name)
+    return parser, subs
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole command line; with ``command``, only that command gets its options (argparse
-    parses no other): the standalone commands' modules (Spark, the demo's servers) are then
-    not imported, which is a fifth of a second off every start of ``run``."""
-    parser = argparse.ArgumentParser(
-        prog="applier",
-        description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
-                    "(protocol 1-4) and applies each source transaction exactly once to a target "
-                    "database.",
-        epilog=_EPILOG)
-    parser.add_argument("--version", action="version", version=f"applier {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name, summary in COMMANDS.items():
-        sub = commands.add_parser(name, help=summary, description=summary, epilog=_EPILOG)
-        if command is not None and name != command:
-            continue
-        if name in _STANDALONE:
-            module, add_arguments, _ = _STANDALONE[name]
-            getattr(importlib.import_module(module), add_arguments)(sub)
-            continue
-        _add_options(sub, name)
-    return parser
+    parses no other), which keeps the start of ``run`` short."""
+    return _build(command)[0]
+
+
+def _parse(arguments: Sequence[str], environ: Mapping[str, str] | None
+           ) -> tuple[argparse.ArgumentParser, Settings]:
+    """The chosen command's parser and settings; bad usage exits with that command's usage."""
+    chosen = arguments[0] if arguments and arguments[0] in COMMANDS else None
+    parser, subs = _build(chosen)
+    # parse_args would report an unknown option of a command with the top-level usage.
+    args, unknown = parser.parse_known_args(arguments)
+    usage = subs[args.command]
+    if unknown:
+        usage.error(f"unrecognized arguments: {' '.join(unknown)}")
+    cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        return usage, load_settings(args.command, cli_values, args.config, environ)
+    except ConfigError as exc:
+        usage.error(str(exc))
+
+
+def parse_settings(arguments: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    """The settings ``applier ARGUMENTS`` would run with (``environ``: os.environ by default);
+    exits with status 2 and the command's usage when they are bad, as ``main`` does."""
+    return _parse(arguments, environ)[1]
 
 
 def _runner(command: str) -> Callable[[Settings], int]:
     if command == "run":
         return _run
-    if command == "sync":
-        from .sync.runner import run_sync
-        return run_sync
-    if command == "peek":
-        from .peek import peek
-        return peek
-    if command == "skip":
-        from .skip import run_skip
-        return run_skip
-    if command == "status":
-        from .ops.status import status
-        return status
-    raise AssertionError(command)
+    module, name = _RUNNERS[command]
+    runner: Callable[[Settings], int] = getattr(importlib.import_module(module), name)
+    return runner
 
 
 def _run(settings: Settings) -> int:
@@ -153,31 +190,16 @@ def _start_up() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     with _start_up():
-        arguments = sys.argv[1:] if argv is None else list(argv)
-        chosen = arguments[0] if arguments and arguments[0] in COMMANDS else None
-        parser = build_parser(chosen)
-        args = parser.parse_args(arguments)
-        if args.command in _STANDALONE:
-            module, _, name = _STANDALONE[args.command]
-            standalone = getattr(importlib.import_module(module), name)
-        else:
-            runner = _runner(args.command)
-    if args.command in _STANDALONE:
-        configure_logging("WARNING")
-        return int(standalone(args))
-    cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    try:
-        settings = load_settings(args.command, cli_values, args.config)
-    except ConfigError as exc:
-        parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
-    configure_logging(settings.values.get("log_level", "INFO"), settings.values.get("log_format", "text"))
+        usage, settings = _parse(sys.argv[1:] if argv is None else list(argv), None)
+        runner = _runner(settings.command)
+    configure_logging(settings.log_level, settings.log_format)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # migration chatter is not news
     try:
-        return runner(settings)
+        return int(runner(settings))
     except ConfigError as exc:
-        parser.exit(2, f"applier {args.command}: configuration error: {exc}\n")
+        usage.error(str(exc))
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 if __name__ == "__main__":

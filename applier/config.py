@@ -1,44 +1,35 @@
-"""Settings: one validated object from a config file, the environment and the command line.
+"""Settings: one typed, validated object from a config file, the environment and the command line.
 
-Owns the option table (name, type, default, help) that the CLI, the ``APPLIER_*`` environment
-variables, the TOML config file and the generated configuration reference are all built from,
-and the rule that the command line beats the environment, which beats the file. Also owns
-masking secrets for logs. Must never open a connection or decide anything about replication.
+Owns the option table (``OPTIONS``: name, help, kind, default, choices, commands) that the command
+line of every command, the ``APPLIER_*`` environment variables, the TOML config file and the
+generated configuration reference are all built from; the ``Settings`` dataclass with one typed
+field per option; and the rule that the command line beats the environment, which beats the file,
+which beats the default. Defaults live here only: callers read ``settings.<option>`` as it is.
+Also owns masking secrets for logs. Must never open a connection or decide anything about
+replication.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import textwrap
 import re
+import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from .ops.lag import LagLimit, parse_lag_limit
 from .protocol.lsn import LSN
+from .units import format_size, parse_size
 
 __all__ = ["ConfigError", "Option", "OPTIONS", "Settings", "parse_size", "mask_dsn", "load_settings",
-           "CONFLICT_POLICIES", "parse_conflict_policies", "parse_table_name"]
+           "options_for", "CONFLICT_POLICIES", "parse_conflict_policies", "parse_table_name"]
 
 
 class ConfigError(ValueError):
     """A bad option value, file or combination; the message says which and how to fix it."""
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
-
-
-def parse_size(text: str | int) -> int:
-    """``'64MB'``, ``'512kB'``, ``'1GiB'`` or a plain byte count -> bytes (binary multiples)."""
-    if isinstance(text, int):
-        return text
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB")
-    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _parse_bool(text: str | bool) -> bool:
@@ -57,19 +48,33 @@ def _parse_list(text: str | Sequence[str]) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
+def _parse_lag(value: str | int | LagLimit) -> LagLimit:
+    return value if isinstance(value, LagLimit) else parse_lag_limit(str(value))
+
+
+#: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
+_PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                 "lsn": "LSN", "lag": "SIZE|DURATION"}
+
+
 @dataclass(frozen=True)
 class Option:
-    """One setting, as every front end sees it."""
+    """One setting of one or more commands, as every front end sees it.
+
+    A name may have several entries for disjoint sets of commands where its meaning or default
+    differs by command (``--slot`` of ``verify`` is optional, of ``run`` required); they share
+    one ``Settings`` field, so they must share ``kind``.
+    """
 
     name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
-    help: str
-    kind: str = "str"              # str | int | bool | size | list | choice | path | lsn
-    default: Any = None
-    choices: tuple[str, ...] = ()
+    help: str                      # says what the default means when ``default`` cannot show it
+    kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
+    default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
+    choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
     secret: bool = False           # DSNs: passwords are masked wherever the value is shown
     repeatable: bool = False       # list options given several times on the command line
-    metavar: str | None = None     # command-line placeholder, when the kind's default is unclear
+    metavar: str | None = None     # command-line placeholder, when the kind's is unclear
 
     @property
     def flag(self) -> str:
@@ -78,6 +83,32 @@ class Option:
     @property
     def env(self) -> str:
         return "APPLIER_" + self.name.upper()
+
+    @property
+    def placeholder(self) -> str | None:
+        """What the command line shows for the value (None: a flag, or a choice of its own)."""
+        if self.kind in ("bool", "choice") or self.choices:
+            return None
+        return self.metavar or _PLACEHOLDERS.get(self.kind) or ("DSN" if self.secret else None)
+
+    @property
+    def default_text(self) -> str | None:
+        """The default as a person writes it (``64MB``, ``60s``, ``false``); None when there is
+        none to show (the help then says what happens)."""
+        value = self.default
+        if value is None or value == []:
+            return None
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if self.kind == "size":
+            return format_size(value)
+        if isinstance(value, LagLimit):
+            return value.text
+        if isinstance(value, list):
+            return ",".join(value)
+        if isinstance(value, float):
+            return f"{value:g}"  # 10, not 10.0
+        return str(value)
 
     def _choice(self, raw: Any) -> str:
         # A choice of on/off (and more) also takes a boolean, as the option once was one.
@@ -89,33 +120,46 @@ class Option:
         return str(raw)
 
     def convert(self, raw: Any) -> Any:
+        """A value from the command line, the environment, the file or the default -> its type."""
         if raw is None:
             return None
         converters: dict[str, Callable[[Any], Any]] = {
-            "str": str, "int": int, "bool": _parse_bool, "size": parse_size,
+            "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
-            "lsn": lambda v: LSN.parse(str(v)),
+            "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
         }
         try:
             value = converters[self.kind](raw)
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{self.name}: {exc}") from None
-        if self.kind == "choice" and value not in self.choices:
+        if self.choices and str(value) not in self.choices:
             raise ConfigError(f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
         return value
 
 
 _REPLICATION = ("run", "sync", "peek")
+#: Commands that print their own result: logging only adds warnings unless asked for more.
+_REPORTING = ("verify", "pipeline", "demo")
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+_SPARK = "For verify --engine spark and pipeline: "
 
 OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
-           "other libpq options pass through.", secret=True, commands=_REPLICATION + ("status", "skip")),
-    Option("target", "libpq connection string or URL of the target (replica) database.",
-           secret=True, commands=("run", "sync", "status", "skip")),
-    Option("slot", "Logical replication slot on the source that this worker consumes.",
+           "other libpq options pass through. Required (optional for skip, which then checks "
+           "the slot on the target only).", secret=True,
+           commands=_REPLICATION + ("status", "verify", "skip")),
+    Option("target", "libpq connection string or URL of the target (replica) database. Required.",
+           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline")),
+    Option("slot", "Logical replication slot on the source: the one run and sync consume, peek "
+           "reads without consuming, status and skip report on. Required.", metavar="NAME",
            commands=_REPLICATION + ("status", "skip")),
-    Option("publication", "Publication name(s) on the source, comma separated.", kind="list",
-           commands=_REPLICATION),
+    Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
+           metavar="NAME", commands=("verify",)),
+    Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
+           "one the target has.", metavar="NAME", commands=("pipeline",)),
+    Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
+           "and peek receive, whose tables verify compares. Required.", kind="list", default=[],
+           commands=_REPLICATION + ("verify",)),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
            default=False, commands=("run",)),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
@@ -129,13 +173,13 @@ OPTIONS: tuple[Option, ...] = (
            "produce and to load than text. on: always (source and target types must then match "
            "exactly). auto: binary while every replicated column has the same built-in type on "
            "both sides; the first relation that does not restarts the session in text, for the "
-           "rest of the process. off: text. A bare --binary means on. peek shows text unless on.", kind="choice",
-           choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
+           "rest of the process. off: text. A bare --binary means on. peek shows text unless on.",
+           kind="choice", choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),
     Option("origin", "Publisher-side origin filter (PostgreSQL 16+): 'none' sends only changes "
-           "that originated on the source itself, 'any' sends everything.", kind="choice",
-           choices=("any", "none"), commands=_REPLICATION),
+           "that originated on the source itself, 'any' sends everything. Default: no filter "
+           "(as any).", kind="choice", choices=("any", "none"), commands=_REPLICATION),
     Option("two_phase_mode", "How prepared source transactions are applied when two-phase "
            "decoding is on. prepare: applied and PREPAREd on the target at once, committed or "
            "rolled back when the source does. defer: held durably in the applier schema and "
@@ -145,34 +189,35 @@ OPTIONS: tuple[Option, ...] = (
     Option("skip_origin", "Drop source transactions that came from this replication origin (the "
            "name in their Origin message); repeatable. With two workers replicating in opposite "
            "directions, give each the other's --replication-origin to stop loops on PostgreSQL "
-           "15 (16+ can use --origin none instead).", kind="list", repeatable=True,
-           metavar="NAME"),
+           "15 (16+ can use --origin none instead). Default: drop none.", kind="list",
+           default=[], repeatable=True, metavar="NAME"),
     Option("replication_origin", "Replication origin that tags the worker's writes on the target, "
            "so a replication out of the target with origin=none (or --skip-origin) ignores them. "
            "Default: applier_<slot>_<target database>; 'none' leaves the writes untagged. Needs "
            "superuser or EXECUTE on pg_replication_origin_create/_session_setup; without them "
-           "the worker logs it once and runs untagged."),
+           "the worker logs it once and runs untagged.", metavar="NAME"),
     Option("message_sink", "Where --messages delivers pg_logical_emit_message payloads: 'table' "
            "(applier.messages on the target; transactional ones in their own transaction) or "
            "'log'.", kind="choice", choices=("table", "log"), default="table"),
     Option("message_prefix", "Deliver only logical messages whose prefix matches this pattern "
            "(shell-style: * and ? wildcards); repeatable. Default: every message.", kind="list",
-           repeatable=True, metavar="PATTERN"),
+           default=[], repeatable=True, metavar="PATTERN"),
     Option("conflict_policy", "What to do on an apply conflict: apply (the source wins: upsert, "
            "or skip a change whose row is missing), error (stop the worker), keep-local (the "
            "target row wins). POLICY sets the default, SCHEMA.TABLE=POLICY one table; "
-           "repeatable. Default: apply.", kind="list", repeatable=True,
+           "repeatable. Default: apply.", kind="list", default=[], repeatable=True,
            metavar="[SCHEMA.TABLE=]POLICY"),
     Option("skip_lsn", "Skip the one source transaction that finishes (commits or prepares) at "
-           "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions.",
-           kind="lsn"),
+           "this LSN, as 'applier skip --lsn' does; recorded in applier.skipped_transactions. "
+           "Default: skip nothing.", kind="lsn"),
     Option("lsn", "Finish LSN (commit or prepare LSN) of the source transaction to skip, as the "
-           "worker's error message names it.", kind="lsn", commands=("skip",)),
+           "worker's error message names it. Required.", kind="lsn", commands=("skip",)),
     Option("sql", "Peek over the SQL interface (pg_logical_slot_peek_binary_changes) instead of "
            "the replication protocol.", kind="bool", default=False, commands=("peek",)),
-    Option("limit", "Stop after printing this many messages.", kind="int", commands=("peek",)),
+    Option("limit", "Stop after printing this many messages. Default: no limit.", kind="int",
+           commands=("peek",)),
     Option("timeout", "Stop after this many seconds without a new message.", kind="int",
-           default=5, commands=("peek",)),
+           default=5, metavar="SECONDS", commands=("peek",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
            "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
@@ -190,11 +235,11 @@ OPTIONS: tuple[Option, ...] = (
            "per target transaction before it commits; also the most rows held in memory.",
            kind="int", default=20000),
     Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits "
-           "(at most half of --memory-budget is used: the batch counts against the budget too).",
-           kind="size", default=8 * 1024**2),
+           "(at most half of --memory-budget is used: the batch counts against the budget too). "
+           "Units kB, MB, GB.", kind="size", default=8 * 1024**2),
     Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
            "source transactions (it also commits whenever the stream is idle).", kind="int",
-           default=500),
+           default=500, metavar="MS"),
     Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "
            "slot is only told positions whose target commits the target has flushed to disk.",
            kind="choice", choices=("on", "off"), default="off"),
@@ -202,7 +247,7 @@ OPTIONS: tuple[Option, ...] = (
            "is applied and confirmed, instead of running until SIGTERM/SIGINT.", kind="bool",
            default=False),
     Option("status_interval", "Seconds between standby status updates to the source (at most 10).",
-           kind="int", default=10),
+           kind="int", default=10, metavar="SECONDS"),
     Option("jobs", "Copy sessions run in parallel by applier sync: several tables at once, and "
            "the block ranges of large tables.", kind="int", default=4, commands=("sync",)),
     Option("range_size", "applier sync cuts plain tables larger than this (on-disk size) into "
@@ -218,56 +263,170 @@ OPTIONS: tuple[Option, ...] = (
            commands=("sync",)),
     Option("progress_interval", "Seconds between copy progress log lines of applier sync when "
            "stderr is not a terminal (a terminal gets a live display).", kind="int", default=10,
-           commands=("sync",)),
+           metavar="SECONDS", commands=("sync",)),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
-           kind="choice", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-           commands=("run", "sync", "peek", "status", "demo", "skip")),
+           kind="choice", choices=_LOG_LEVELS, commands=("run", "sync", "peek", "status", "skip")),
+    Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR (this command prints its "
+           "result itself; logging adds warnings).", default="WARNING", kind="choice",
+           choices=_LOG_LEVELS, commands=_REPORTING),
     # -- operations (applier/ops) -----------------------------------------------------------------
     Option("log_format", "Log line format: text (for people) or json (one object per line with "
            "slot, lsn and xid fields).", default="text", kind="choice", choices=("text", "json"),
-           commands=("run", "sync", "peek", "status", "demo")),
+           commands=("run", "sync", "peek", "status", "skip") + _REPORTING),
     Option("metrics_port", "Serve Prometheus metrics on this TCP port at /metrics, with /healthz "
            "(live) and /readyz (streaming and within --ready-max-lag). Default: no server.",
-           kind="int"),
-    Option("metrics_address", "Address the metrics server listens on.", default="0.0.0.0"),
+           kind="int", metavar="PORT"),
+    Option("metrics_address", "Address the metrics server listens on.", default="0.0.0.0",
+           metavar="ADDRESS"),
     Option("ready_max_lag", "/readyz fails while the apply lag exceeds this: a size of WAL "
-           "(e.g. 64MB) or a duration (e.g. 30s, 5min).", default="60s"),
-    Option("json", "Print the status as JSON instead of a table.", kind="bool", default=False,
-           commands=("status",)),
+           "(e.g. 64MB) or a duration (e.g. 30s, 5min).", kind="lag",
+           default=parse_lag_limit("60s")),
+    Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
+           commands=("status", "verify")),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
-           "64MB) or a duration (e.g. 30s, 5min).", commands=("status",)),
+           "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
+           commands=("status",)),
+    # -- verify and pipeline (applier/verify.py, applier/spark) -----------------------------------
+    Option("table", "Compare only this published table (schema.table or table); repeatable. "
+           "Default: every table of the publications.", kind="list", default=[], repeatable=True,
+           metavar="TABLE", commands=("verify",)),
+    Option("table", "Replicated table to aggregate (schema.table or table).", kind="list",
+           default=["orders"], metavar="TABLE", commands=("pipeline",)),
+    Option("engine", "sql: compare inside the databases; spark: with PySpark, for tables too "
+           "large for one machine.", kind="choice", choices=("sql", "spark"), default="sql",
+           commands=("verify",)),
+    Option("settle", "Compare differing tables again for up to this many seconds, so that "
+           "changes still in flight to a live replica are not reported; 0: compare once.",
+           kind="float", default=10.0, metavar="SECONDS", commands=("verify",)),
+    Option("max_keys", "List at most N keys per table and kind of difference (missing, extra, "
+           "changed).", kind="int", default=100, commands=("verify",)),
+    Option("master", _SPARK + "Spark master URL. Default: local[*] (this machine, every core).",
+           metavar="URL", commands=("verify", "pipeline")),
+    Option("jdbc_jar", _SPARK + "PostgreSQL JDBC driver jar. Default: Debian's "
+           "libpostgresql-jdbc-java, else the newest in the local Maven repository (~/.m2).",
+           kind="path", metavar="PATH", commands=("verify", "pipeline")),
+    Option("group_by", "Column to group by.", default="customer_id", metavar="COLUMN",
+           commands=("pipeline",)),
+    Option("measure", "Numeric column to sum per group.", default="total", metavar="COLUMN",
+           commands=("pipeline",)),
+    Option("output", "Directory of the Parquet result and its state file. Required.", kind="path",
+           commands=("pipeline",)),
+    Option("lsn_column", "pg_lsn column the source stamps on every write; when the table has it, "
+           "runs after the first process only what changed.", default="_source_lsn",
+           metavar="COLUMN", commands=("pipeline",)),
+    Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
+           default=False, commands=("pipeline",)),
+    # -- demo (applier/demo.py) ---------------------------------------------------------------------
+    Option("pg_version", "PostgreSQL major version of both throwaway servers.", kind="int",
+           default=18, choices=("15", "18"), commands=("demo",)),
+    Option("seconds", "How long the live workload writes while the worker streams.", kind="float",
+           default=15.0, metavar="SECONDS", commands=("demo",)),
+    Option("keep", "Leave both servers running at the end and print their connection strings.",
+           kind="bool", default=False, commands=("demo",)),
 )
 
-OPTIONS_BY_NAME: dict[str, Option] = {option.name: option for option in OPTIONS}
+
+def options_for(command: str) -> tuple[Option, ...]:
+    """The options ``command`` takes, one entry per name."""
+    return tuple(option for option in OPTIONS if command in option.commands)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
-    """Resolved settings for one command. ``values`` holds every option of that command."""
+    """Resolved settings for one command: a typed field per option name.
+
+    Every field is set, also for options the command does not take (to their first entry's
+    default), so ``sync`` can go on as ``run``. ``sources`` says where each of the command's own
+    options came from: 'default', 'file', 'env' or 'cli'.
+    """
 
     command: str
-    values: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, str] = field(default_factory=dict)  # option -> 'default'|'file'|'env'|'cli'
+    # -- replication (run, sync, peek) and where it reads and writes
+    source: str | None
+    target: str | None
+    slot: str | None
+    publication: list[str]
+    create_slot: bool
+    proto_version: int | None
+    streaming: Literal["off", "on", "parallel"] | None
+    two_phase: bool | None
+    binary: Literal["auto", "on", "off"]
+    messages: bool
+    origin: Literal["any", "none"] | None
+    two_phase_mode: Literal["auto", "prepare", "defer"]
+    skip_origin: list[str]
+    replication_origin: str | None
+    message_sink: Literal["table", "log"]
+    message_prefix: list[str]
+    conflict_policy: list[str]
+    skip_lsn: LSN | None
+    lsn: LSN | None
+    sql: bool
+    limit: int | None
+    timeout: int
+    memory_budget: int
+    streamed_apply: Literal["early", "commit"]
+    spill_dir: Path | None
+    batch_rows: int
+    batch_bytes: int
+    batch_time: int
+    synchronous_commit: Literal["on", "off"]
+    exit_when_caught_up: bool
+    status_interval: int
+    # -- sync
+    jobs: int
+    range_size: int
+    create_tables: bool
+    truncate_target: bool
+    progress_interval: int
+    # -- operations
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"]
+    log_format: Literal["text", "json"]
+    metrics_port: int | None
+    metrics_address: str
+    ready_max_lag: LagLimit
+    json: bool
+    max_lag: LagLimit | None
+    # -- verify and pipeline
+    table: list[str]
+    engine: Literal["sql", "spark"]
+    settle: float
+    max_keys: int
+    master: str | None
+    jdbc_jar: Path | None
+    group_by: str
+    measure: str
+    output: Path | None
+    lsn_column: str
+    full: bool
+    # -- demo
+    pg_version: int
+    seconds: float
+    keep: bool
+    # -- provenance
+    sources: Mapping[str, str]
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+    @property
+    def values(self) -> dict[str, Any]:
+        """The command's own options and their values (a fresh dict: changing it changes nothing)."""
+        return {name: getattr(self, name) for name in self.sources}
 
     def require(self, *names: str) -> None:
-        missing = [OPTIONS_BY_NAME[n] for n in names if self.values.get(n) in (None, [], "")]
+        missing = [_entry(self.command, n) for n in names if getattr(self, n) in (None, [], "")]
         if missing:
             listed = ", ".join(f"{o.flag} (or {o.env}, or '{o.name}' in the config file)" for o in missing)
             raise ConfigError(f"missing required setting(s): {listed}")
 
     def describe(self) -> dict[str, Any]:
-        """The settings as they may be logged: DSN passwords masked."""
-        shown: dict[str, Any] = {}
-        for name, value in self.values.items():
-            option = OPTIONS_BY_NAME.get(name)
-            shown[name] = mask_dsn(value) if option and option.secret and value else value
-        return shown
+        """The command's settings as they may be logged: DSN passwords masked."""
+        return {name: mask_dsn(value) if value and _entry(self.command, name).secret else value
+                for name, value in self.values.items()}
+
+
+def _entry(command: str, name: str) -> Option:
+    """The entry of option ``name`` for ``command``, else its first entry."""
+    entries = [option for option in OPTIONS if option.name == name]
+    return next((option for option in entries if command in option.commands), entries[0])
 
 
 # Neither part may span whitespace or a slash, so a password inside a longer log line is masked
@@ -287,25 +446,29 @@ def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path
     """Resolve the options of ``command``: defaults < config file < environment < command line.
 
     ``cli_values`` holds only what was given on the command line (None means not given).
+    Raises ConfigError for a bad file, value or combination.
     """
     environ = os.environ if environ is None else environ
     file_values: dict[str, Any] = {}
     path = config_file or (Path(environ["APPLIER_CONFIG"]) if environ.get("APPLIER_CONFIG") else None)
     if path is not None:
         file_values = _read_config_file(path)
-    settings = Settings(command)
-    for option in OPTIONS:
-        if command not in option.commands:
-            continue
-        value, origin = option.default, "default"
-        if option.name in file_values:
-            value, origin = option.convert(file_values[option.name]), "file"
-        if option.env in environ:
-            value, origin = option.convert(environ[option.env]), "env"
-        if cli_values.get(option.name) is not None:
-            value, origin = option.convert(cli_values[option.name]), "cli"
-        settings.values[option.name] = value
-        settings.sources[option.name] = origin
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name in dict.fromkeys(option.name for option in OPTIONS):
+        option = _entry(command, name)
+        # Converting the default too gives each Settings its own list to keep.
+        value, origin = option.convert(option.default), "default"
+        if command in option.commands:
+            if name in file_values:
+                value, origin = option.convert(file_values[name]), "file"
+            if option.env in environ:
+                value, origin = option.convert(environ[option.env]), "env"
+            if cli_values.get(name) is not None:
+                value, origin = option.convert(cli_values[name]), "cli"
+            sources[name] = origin
+        values[name] = value
+    settings = Settings(command=command, sources=sources, **values)
     _validate(settings)
     return settings
 
@@ -320,7 +483,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
     values = {key.replace("-", "_"): value for key, value in data.items()}
-    unknown = sorted(set(values) - set(OPTIONS_BY_NAME))
+    unknown = sorted(set(values) - {option.name for option in OPTIONS})
     if unknown:
         raise ConfigError(f"config file {path}: unknown setting(s) {', '.join(unknown)}; "
                           "see config/applier.example.toml for the valid names")
@@ -328,38 +491,37 @@ def _read_config_file(path: Path) -> dict[str, Any]:
 
 
 def _validate(settings: Settings) -> None:
-    values = settings.values
-    version = values.get("proto_version")
+    """Combinations and ranges; only options the command takes are checked (others hold their
+    defaults, which are valid)."""
+    version = settings.proto_version
     if version is not None and not 1 <= version <= 4:
         raise ConfigError(f"proto_version: {version} is not a pgoutput protocol version (1-4)")
-    streaming = values.get("streaming")
+    streaming = settings.streaming
     if version is not None and streaming not in (None, "off") and version < 2:
         raise ConfigError("streaming needs protocol version 2 or later; use --proto-version 2+ "
                           "or --streaming off")
     if version is not None and streaming == "parallel" and version < 4:
         raise ConfigError("streaming=parallel needs protocol version 4 (PostgreSQL 16+)")
-    if version is not None and values.get("two_phase") and version < 3:
+    if version is not None and settings.two_phase and version < 3:
         raise ConfigError("two_phase needs protocol version 3 or later (PostgreSQL 15+)")
-    interval = values.get("status_interval")
-    if interval is not None and not 1 <= interval <= 10:
+    if not 1 <= settings.status_interval <= 10:
         raise ConfigError("status_interval must be between 1 and 10 seconds")
-    for name in ("batch_rows", "batch_time"):
-        if values.get(name) is not None and values[name] < 1:
+    for name in ("batch_rows", "batch_time", "jobs"):
+        if getattr(settings, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
-    jobs = values.get("jobs")
-    if jobs is not None and jobs < 1:
-        raise ConfigError("jobs must be at least 1")
-    range_size = values.get("range_size")
-    if range_size is not None and range_size < 8192:
+    if settings.range_size < 8192:
         raise ConfigError("range_size must be at least one block (8kB)")
-    interval = values.get("progress_interval")
-    if interval is not None and interval < 1:
+    if settings.progress_interval < 1:
         raise ConfigError("progress_interval must be at least 1 second")
-    budget = values.get("memory_budget")
-    if budget is not None and budget < 64 * 1024:
+    if settings.memory_budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")
-    if values.get("conflict_policy"):
-        parse_conflict_policies(values["conflict_policy"])
+    if settings.conflict_policy:
+        parse_conflict_policies(settings.conflict_policy)
+    if settings.command == "pipeline" and len(settings.table) != 1:
+        raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
+    for name in ("settle", "seconds", "max_keys"):
+        if getattr(settings, name) < 0:
+            raise ConfigError(f"{name} must not be negative")
 
 
 #: Conflict policies (--conflict-policy): the source wins, stop, or the target row wins.
@@ -426,19 +588,24 @@ def example_config() -> str:
     return "\n".join(lines)
 
 
+#: Example values for options whose default shows nothing useful.
+_SAMPLES: dict[str, Any] = {
+    "source": "host=source.example port=5432 dbname=app user=replicator sslmode=verify-full",
+    "target": "postgresql://applier@replica.example:5432/app?sslmode=verify-full",
+    "slot": "applier_app", "publication": ["app_pub"], "spill_dir": "/var/lib/applier/spill",
+    "skip_lsn": "16/B374D848", "lsn": "16/B374D848", "metrics_port": 9188, "max_lag": "64MB",
+    "master": "spark://spark.example:7077", "jdbc_jar": "/usr/share/java/postgresql.jar",
+    "output": "/var/lib/applier/pipeline",
+}
+_KIND_SAMPLES: dict[str, Any] = {"bool": True, "int": 4, "str": ""}
+
+
 def _toml_example(option: Option) -> str:
-    samples = {"source": '"host=source.example port=5432 dbname=app user=replicator sslmode=verify-full"',
-               "target": '"postgresql://applier@replica.example:5432/app?sslmode=verify-full"',
-               "slot": '"applier_app"', "publication": '["app_pub"]', "spill_dir": '"/var/lib/applier/spill"'}
-    if option.name in samples:
-        return samples[option.name]
-    value = option.default
+    value = _SAMPLES.get(option.name, option.default)
+    if value is None:
+        value = option.choices[0] if option.choices else _KIND_SAMPLES[option.kind]
     if option.kind == "size" and isinstance(value, int):
-        return f'"{value // 1024**2}MB"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return f'"{value}"'
-    return {"bool": "true", "int": "4", "choice": f'"{option.choices[0]}"' if option.choices else '""'}.get(option.kind, '""')
+        value = format_size(value)
+    elif isinstance(value, (LagLimit, Path)):
+        value = str(value.text if isinstance(value, LagLimit) else value)
+    return json.dumps(value)  # the JSON of a string, number, boolean or list is TOML too

@@ -12,7 +12,6 @@ Must never touch a server it did not start.
 
 from __future__ import annotations
 
-import argparse
 import random
 import subprocess
 import sys
@@ -20,7 +19,9 @@ import time
 
 import psycopg
 
+from .config import Settings
 from .embedded import ServerSettings, start_server
+from .exit_codes import ExitCode
 from .verify import format_table, verify
 
 DEMO_GID = "demo-order-batch"
@@ -30,15 +31,6 @@ CREATE TABLE products (sku text PRIMARY KEY, title text, price numeric(10,2), ta
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int NOT NULL, sku text NOT NULL,
                      qty int NOT NULL, total numeric(12,2), note jsonb);
 """
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
-                        help="PostgreSQL major version of both throwaway servers (default: 18).")
-    parser.add_argument("--seconds", type=float, default=15,
-                        help="How long the live workload writes while the worker streams (default: 15).")
-    parser.add_argument("--keep", action="store_true",
-                        help="Leave both servers running at the end and print their connection strings.")
 
 
 def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: list[int],
@@ -89,11 +81,13 @@ def _lag(source: psycopg.Connection) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def run_demo(settings: Settings) -> int:
+    """``applier demo``: OK when the target equals the source at the end, else CHECK."""
     say = lambda text: print(text, flush=True)  # noqa: E731
-    say(f"applier demo: starting two throwaway PostgreSQL {args.pg_version} servers ...")
-    source_server = start_server(args.pg_version, ServerSettings.source(), name="demo-source")
-    target_server = start_server(args.pg_version, ServerSettings.target(), name="demo-target")
+    seconds = settings.seconds
+    say(f"applier demo: starting two throwaway PostgreSQL {settings.pg_version} servers ...")
+    source_server = start_server(settings.pg_version, ServerSettings.source(), name="demo-source")
+    target_server = start_server(settings.pg_version, ServerSettings.target(), name="demo-target")
     worker: subprocess.Popen | None = None
     try:
         source_db = source_server.create_database("shop")
@@ -120,16 +114,16 @@ def run_demo(args: argparse.Namespace) -> int:
         bulk_done = committed = False
         prepared_at: float | None = None
         with source_db.connect() as writer, source_db.connect() as watcher:
-            while time.monotonic() - started < args.seconds:
+            while time.monotonic() - started < seconds:
                 elapsed_now = time.monotonic() - started
-                bulk = not bulk_done and elapsed_now > args.seconds / 3
+                bulk = not bulk_done and elapsed_now > seconds / 3
                 bulk_done |= bulk
-                if prepared_at is None and elapsed_now > args.seconds / 2:
+                if prepared_at is None and elapsed_now > seconds / 2:
                     rows += _prepare_step(writer, next_order)
                     prepared_at = elapsed_now
                     say(f"  {elapsed_now:5.1f}s  prepared two-phase transaction {DEMO_GID!r}; "
                         "later transactions commit while it is pending")
-                elif prepared_at is not None and not committed and elapsed_now > args.seconds * 3 / 4:
+                elif prepared_at is not None and not committed and elapsed_now > seconds * 3 / 4:
                     writer.execute(f"COMMIT PREPARED '{DEMO_GID}'")
                     committed = True
                     say(f"  {elapsed_now:5.1f}s  COMMIT PREPARED {DEMO_GID!r} after "
@@ -154,19 +148,21 @@ def run_demo(args: argparse.Namespace) -> int:
         worker.terminate()
         worker.wait(timeout=30)
         say("  applier verify: counts and per-range hashes of every published table ...")
-        report = verify(source_db.dsn, target_db.dsn, ["demo_pub"], slot="demo", settle=0)
+        # A handful of keys is plenty to show where a demo run went wrong.
+        report = verify(source_db.dsn, target_db.dsn, ["demo_pub"], slot="demo", settle=0,
+                        max_keys=10)
         for line in format_table(report).splitlines():
             say(f"    {line}")
         equal = report.equal
         say(f"summary: {transactions} source transactions, {rows} row changes in {elapsed:.1f}s "
             f"({rows / elapsed:,.0f} rows/s written and replicated), peak slot lag "
             f"{max_lag / 1024:.1f} kB, target {'equals' if equal else 'DIFFERS FROM'} source")
-        if args.keep:
+        if settings.keep:
             say(f"servers kept running:\n  source: {source_db.dsn}\n  target: {target_db.dsn}")
-        return 0 if equal else 1
+        return ExitCode.OK if equal else ExitCode.CHECK
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()
-        if not args.keep:
+        if not settings.keep:
             source_server.cleanup()
             target_server.cleanup()

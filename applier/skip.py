@@ -75,7 +75,7 @@ def _slot_problems(settings: Settings) -> list[str]:
     with connect(settings.target, "target") as target:
         if slot_recorded(target, slot):
             return []
-    source = settings.values.get("source")
+    source = settings.source
     if not source:
         return [f"slot {slot!r} is unknown to the target: no applier.progress or "
                 "applier.table_sync row names it, so no worker has run for it. Check --slot; to "

@@ -22,7 +22,6 @@ is reported, with the positions both sides were read at.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,13 +35,13 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
+from .config import Settings
+from .exit_codes import ExitCode
 from .spark.session import SparkUnavailable
 
-__all__ = ["TableResult", "TableSpec", "VerifyReport", "add_arguments", "compare_sql",
-           "published_tables", "run_verify", "verify"]
+__all__ = ["TableResult", "TableSpec", "VerifyReport", "compare_sql", "published_tables",
+           "run_verify", "verify"]
 
-#: Keys listed per table and kind in a report; the counts are always complete.
-DEFAULT_MAX_KEYS = 100
 #: Rows per range aimed at: small enough that re-reading a differing range is cheap.
 ROWS_PER_RANGE = 5_000
 MAX_RANGES = 4_096
@@ -303,8 +302,9 @@ def _missing_columns(conn: psycopg.Connection[Any], spec: TableSpec) -> list[str
     return [c for c in spec.columns if c not in found[0]]
 
 
-def compare_sql(snaps: Snapshots, spec: TableSpec, max_keys: int = DEFAULT_MAX_KEYS) -> TableResult:
-    """Compare one table in the databases: range sums first, rows only where they differ."""
+def compare_sql(snaps: Snapshots, spec: TableSpec, max_keys: int) -> TableResult:
+    """Compare one table in the databases: range sums first, rows only where they differ; list
+    at most ``max_keys`` keys per kind of difference (the counts are always complete)."""
     result = TableResult(spec.display, key=list(spec.key or ["row"]))
     if missing := _missing_columns(snaps.target, spec):
         result.error = f"missing on the target: {', '.join(missing)}"
@@ -353,9 +353,9 @@ def _sort_key(key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def verify(source_dsn: str, target_dsn: str, publications: Sequence[str], tables: Sequence[str] = (),
-           *, engine: Literal["sql", "spark"] = "sql", slot: str | None = None, settle: float = 10.0,
-           max_keys: int = DEFAULT_MAX_KEYS, master: str | None = None,
-           jdbc_jar: str | None = None) -> VerifyReport:
+           *, settle: float, max_keys: int, engine: Literal["sql", "spark"] = "sql",
+           slot: str | None = None, master: str | None = None,
+           jdbc_jar: str | os.PathLike[str] | None = None) -> VerifyReport:
     """Compare the tables; while some differ and ``settle`` seconds are left, compare those again."""
     deadline = time.monotonic() + settle
     with snapshots(source_dsn, target_dsn, slot) as snaps:
@@ -415,51 +415,21 @@ def format_table(report: VerifyReport) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    parser.add_argument("--source", default=env("APPLIER_SOURCE"), metavar="DSN",
-                        help="libpq connection string or URL of the source [env APPLIER_SOURCE]")
-    parser.add_argument("--target", default=env("APPLIER_TARGET"), metavar="DSN",
-                        help="libpq connection string or URL of the target [env APPLIER_TARGET]")
-    parser.add_argument("--publication", default=env("APPLIER_PUBLICATION"), metavar="NAME[,NAME...]",
-                        help="Publication(s) on the source whose tables are compared [env APPLIER_PUBLICATION]")
-    parser.add_argument("--table", action="append", default=[], metavar="T",
-                        help="Compare only this published table (schema.table or table); repeatable.")
-    parser.add_argument("--slot", default=None, metavar="NAME",
-                        help="Report the target position of this slot only (default: every slot).")
-    parser.add_argument("--engine", choices=("sql", "spark"), default="sql",
-                        help="sql: compare inside the databases (default); spark: with PySpark, "
-                             "for tables too large for one machine.")
-    parser.add_argument("--master", default=None, metavar="URL",
-                        help="Spark master URL for --engine spark (default: local[*]).")
-    parser.add_argument("--jdbc-jar", default=None, metavar="PATH",
-                        help="PostgreSQL JDBC driver jar for --engine spark (default: APPLIER_JDBC_JAR, "
-                             "Debian's libpostgresql-jdbc-java, or ~/.m2).")
-    parser.add_argument("--settle", type=float, default=10.0, metavar="SECONDS",
-                        help="Compare differing tables again for up to this long, so changes still "
-                             "in flight to a live replica are not reported (default: 10; 0: once).")
-    parser.add_argument("--max-keys", type=int, default=DEFAULT_MAX_KEYS, metavar="N",
-                        help=f"List at most N keys per table and kind (default: {DEFAULT_MAX_KEYS}).")
-    parser.add_argument("--json", action="store_true", help="Print the report as JSON.")
-
-
-def run_verify(args: argparse.Namespace) -> int:
-    """Exit 0 when every table is equal, 1 when any differs, 2 when comparing was impossible."""
-    missing = [flag for flag, value in (("--source", args.source), ("--target", args.target),
-                                        ("--publication", args.publication)) if not value]
-    if missing:
-        print(f"applier verify: missing {', '.join(missing)}", file=sys.stderr)
-        return 2
+def run_verify(settings: Settings) -> int:
+    """``applier verify``: OK when every table is equal, CHECK when any differs, FAILED when
+    comparing was impossible (a server, publication or table missing, no Spark)."""
+    settings.require("source", "target", "publication")
+    assert settings.source is not None and settings.target is not None  # required just above
     try:
-        report = verify(args.source, args.target, _split_names([args.publication]),
-                        _split_names(args.table), engine=args.engine, slot=args.slot,
-                        settle=args.settle, max_keys=args.max_keys, master=args.master,
-                        jdbc_jar=args.jdbc_jar)
+        report = verify(settings.source, settings.target, settings.publication,
+                        _split_names(settings.table), engine=settings.engine, slot=settings.slot,
+                        settle=settings.settle, max_keys=settings.max_keys, master=settings.master,
+                        jdbc_jar=settings.jdbc_jar)
     except (VerifyError, psycopg.Error) as exc:
         print(f"applier verify: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.FAILED
     except SparkUnavailable as exc:
         print(f"applier verify --engine spark: {exc}", file=sys.stderr)
-        return 2
-    print(report.to_json() if args.json else format_table(report))
-    return 0 if report.equal else 1
+        return ExitCode.FAILED
+    print(report.to_json() if settings.json else format_table(report))
+    return ExitCode.OK if report.equal else ExitCode.CHECK

@@ -1,8 +1,8 @@
 """Apply lag: how far the target is behind the source, and limits on it.
 
 Owns the single definition of lag shared by ``applier status`` and the metrics endpoint, and
-parsing of lag limits (``--max-lag``, ``--ready-max-lag``: a size or a duration). Pure: must never
-query a database.
+parsing of lag limits (``--max-lag``, ``--ready-max-lag``: a size or a duration, always with its
+unit). Pure: must never query a database, nor import the option table (which builds on it).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..config import ConfigError, parse_size
 from ..protocol.lsn import LSN
+from ..units import parse_size
 
 __all__ = ["Lag", "LagLimit", "measure_lag", "parse_lag_limit"]
 
@@ -64,18 +64,26 @@ class LagLimit:
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|secs|seconds?|min|mins|minutes?|h|hours?|d|days?)\s*$",
                        re.IGNORECASE)
 _SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
+_BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
-def parse_lag_limit(text: str, option: str = "max_lag") -> LagLimit:
-    """``'64MB'`` or ``'1048576'`` (bytes of WAL) or ``'30s'``, ``'5min'``, ``'2h'`` (time)."""
+def parse_lag_limit(text: str) -> LagLimit:
+    """``'64MB'`` (bytes of WAL) or ``'30s'``, ``'5min'``, ``'2h'`` (time); ValueError otherwise.
+
+    A number without a unit is refused (is ``5`` five bytes or five seconds?), except ``0``, which
+    is the same either way.
+    """
     match = _DURATION.match(text)
     if match:
         unit = match.group(2).lower()
         unit = {"secs": "s", "second": "s", "seconds": "s", "mins": "min", "minute": "min",
                 "minutes": "min", "hours": "hour", "days": "day"}.get(unit, unit)
         return LagLimit(text, seconds=float(match.group(1)) * _SECONDS[unit])
+    if _BARE_NUMBER.match(text) and float(text) != 0:
+        raise ValueError(f"lag limit {text!r} has no unit: write a size of WAL (e.g. "
+                         f"{text.strip()}MB) or a duration (e.g. {text.strip()}s, {text.strip()}min)")
     try:
         return LagLimit(text, bytes=parse_size(text))
     except ValueError:
-        raise ConfigError(f"{option}: invalid lag limit {text!r}: use a size of WAL (e.g. 64MB) "
-                          "or a duration (e.g. 30s, 5min, 2h)") from None
+        raise ValueError(f"invalid lag limit {text!r}: use a size of WAL (e.g. 64MB) or a "
+                         "duration (e.g. 30s, 5min, 2h)") from None

@@ -28,7 +28,7 @@ from ..errors import SourceError
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
-from .lag import Lag, LagLimit, measure_lag, parse_lag_limit
+from .lag import Lag, LagLimit, measure_lag
 from .logs import set_log_context
 from .observed import Probe
 from .status import done_position, source_wal_position
@@ -76,12 +76,10 @@ class Telemetry:
 
     @classmethod
     def from_settings(cls, settings: Settings, slot: str) -> Telemetry:
-        values = settings.values
-        limit = values.get("ready_max_lag")
-        return cls(slot, source=values["source"], target=values["target"],
-                   port=values.get("metrics_port"), address=values.get("metrics_address") or "0.0.0.0",
-                   probe_interval=float(values.get("status_interval") or 10),
-                   ready_max_lag=parse_lag_limit(limit, "ready_max_lag") if limit else None)
+        assert settings.source is not None and settings.target is not None  # required by run
+        return cls(slot, source=settings.source, target=settings.target, port=settings.metrics_port,
+                   address=settings.metrics_address, probe_interval=float(settings.status_interval),
+                   ready_max_lag=settings.ready_max_lag)
 
     # -- worker side ----------------------------------------------------------------------------
     def start(self) -> None:

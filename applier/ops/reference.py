@@ -24,13 +24,10 @@ REFERENCE_PATH = Path("docs") / "configuration.md"
 
 
 def _default(option: Option) -> str:
-    if option.default is None:
+    text = option.default_text
+    if text is None:
         return ""
-    if option.kind == "bool":
-        return "true" if option.default else "false"
-    if option.kind == "size" and isinstance(option.default, int) and option.default % 1024**2 == 0:
-        return f"`{option.default // 1024**2}MB`"
-    return f"`{option.default}`"
+    return text if option.kind == "bool" else f"`{text}`"
 
 
 def _cell(text: str) -> str:

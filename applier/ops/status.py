@@ -2,8 +2,9 @@
 
 Owns the read-only queries that describe a slot on the source and the bookkeeping on the target
 (also used by the metrics probe, so both report the same lag), and the status report: a table,
-or JSON with ``--json``. Exit status: 0 fine, 1 the slot is missing or a server could not be
-read, 3 the lag exceeds ``--max-lag``. Must never write to either database or touch the slot.
+or JSON with ``--json``. Exit status (``ExitCode``): OK; FAILED when a server could not be read;
+CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never write to either
+database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
 ``applier.skipped_transactions``, ``applier.origins``) are read only when the target's catalog has them, so status
@@ -26,18 +27,17 @@ from sqlalchemy.exc import DBAPIError
 
 from ..assembler.buffer import default_spill_dir
 from ..config import Settings, mask_dsn
+from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.records import Progress
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
-from .lag import Lag, measure_lag, parse_lag_limit
+from .lag import Lag, measure_lag
 
 __all__ = ["StatusReport", "source_wal_position", "done_position", "status", "collect_status",
            "StatusError"]
-
-EXIT_OK, EXIT_FAILED, EXIT_LAGGING = 0, 1, 3
 
 #: Two-phase GIDs the worker prepares on the target start with this prefix.
 PREPARED_GID_PREFIX = "applier_"
@@ -63,10 +63,8 @@ class StatusReport:
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
 
-    def exit_status(self) -> int:
-        if self.slot is None:
-            return EXIT_FAILED
-        return EXIT_LAGGING if self.lag_exceeded else EXIT_OK
+    def exit_status(self) -> ExitCode:
+        return ExitCode.CHECK if self.slot is None or self.lag_exceeded else ExitCode.OK
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -91,12 +89,13 @@ def done_position(progress: Progress | None, confirmed: LSN | None) -> LSN:
 
 def collect_status(settings: Settings) -> StatusReport:
     settings.require("source", "target", "slot")
-    slot_name: str = settings.slot
-    limit = parse_lag_limit(settings.max_lag) if settings.values.get("max_lag") else None
-    with _reading("source", settings.source) as source:
+    source_dsn, target_dsn, slot_name = settings.source, settings.target, settings.slot
+    assert source_dsn and target_dsn and slot_name  # required just above
+    limit = settings.max_lag
+    with _reading("source", source_dsn) as source:
         database, wal_lsn = source_wal_position(source)
         slot = slot_info(source, slot_name)
-    with _reading("target", settings.target) as target:
+    with _reading("target", target_dsn) as target:
         store = SqlBookkeeping(target)
         tables = store.tables()
         progress = store.progress(slot_name) if "progress" in tables else None
@@ -118,7 +117,7 @@ def collect_status(settings: Settings) -> StatusReport:
         notes.append("nothing applied yet for this slot on the target")
     lag = measure_lag(wal_lsn, done_position(progress, slot.confirmed_flush_lsn if slot else None),
                       progress.commit_time if progress else None, datetime.now(timezone.utc))
-    spill_dir = Path(settings.values.get("spill_dir") or default_spill_dir(slot_name))
+    spill_dir = settings.spill_dir or default_spill_dir(slot_name)
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,
         retained_wal_bytes=(max(0, int(wal_lsn) - int(slot.restart_lsn))
@@ -247,8 +246,8 @@ def status(settings: Settings) -> int:
         report = collect_status(settings)
     except StatusError as exc:
         print(f"applier status: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    if settings.values.get("json"):
+        return ExitCode.FAILED
+    if settings.json:
         print(json.dumps(report.as_json(), indent=2))
     else:
         print(render_table(report))

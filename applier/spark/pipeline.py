@@ -25,15 +25,16 @@ position yet commit after it; run ``--full`` periodically if such long transacti
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import cli
+from ..config import Settings
+from ..exit_codes import ExitCode
 from .reader import describe_table, open_snapshot, read_table
 from .session import SparkUnavailable, spark_session
 
@@ -42,29 +43,9 @@ if TYPE_CHECKING:
 
     from .reader import Snapshot
 
-__all__ = ["add_arguments", "main", "run_pipeline", "run_pipeline_job"]
+__all__ = ["main", "run_pipeline", "run_pipeline_job"]
 
 STATE_FILE = "_applier_state.json"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=os.environ.get("APPLIER_TARGET"), metavar="DSN",
-                        help="The replica (target) database to read [env APPLIER_TARGET].")
-    parser.add_argument("--table", default="orders", help="Replicated table to aggregate (default: orders).")
-    parser.add_argument("--group-by", default="customer_id", metavar="COLUMN",
-                        help="Column to group by (default: customer_id).")
-    parser.add_argument("--measure", default="total", metavar="COLUMN",
-                        help="Numeric column to sum per group (default: total).")
-    parser.add_argument("--output", required=True, type=Path, metavar="DIR",
-                        help="Directory of the Parquet result and its state file.")
-    parser.add_argument("--lsn-column", default="_source_lsn", metavar="COLUMN",
-                        help="pg_lsn column the source stamps on every write; when the table has it, "
-                             "runs after the first process only what changed (default: _source_lsn).")
-    parser.add_argument("--full", action="store_true", help="Recompute everything even if incremental is possible.")
-    parser.add_argument("--slot", default=None, metavar="NAME",
-                        help="Slot whose applied position tags the result (default: the only one).")
-    parser.add_argument("--master", default=None, metavar="URL", help="Spark master URL (default: local[*]).")
-    parser.add_argument("--jdbc-jar", default=None, metavar="PATH", help="PostgreSQL JDBC driver jar.")
 
 
 def _state(output: Path) -> dict[str, Any] | None:
@@ -79,28 +60,29 @@ def _aggregate(frame: DataFrame, group_by: str, measure: str) -> DataFrame:
                                        F.sum(F.col(measure)).alias(f"sum_{measure}"))
 
 
-def _incremental(spark: SparkSession, snap: Snapshot, args: argparse.Namespace,
+def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table: str,
                  previous: dict[str, Any], output: Path) -> DataFrame | None:
     """The new result from the changed groups and the previous result, or None if unsound."""
     from pyspark.sql import functions as F
 
     lsn = str(previous["commit_lsn"])
-    column = args.lsn_column.replace('"', '""')
-    changed = read_table(spark, args.table, snap, columns=[args.group_by],
+    column = settings.lsn_column.replace('"', '""')
+    group_by, measure = settings.group_by, settings.measure
+    changed = read_table(spark, table, snap, columns=[group_by],
                          where=f'"{column}" > {snap.literal(lsn)}::pg_lsn')
     groups = [row[0] for row in changed.distinct().collect()]
     old = spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn")
-    group_col = args.group_by.replace('"', '""')
+    group_col = group_by.replace('"', '""')
     if groups:
         in_groups = f'"{group_col}" = ANY({snap.literal(groups)})'
-        recomputed = _aggregate(read_table(spark, args.table, snap, columns=[args.group_by, args.measure],
-                                           where=in_groups), args.group_by, args.measure)
-        kept = old.where(~F.col(args.group_by).isin(groups) | F.col(args.group_by).isNull())
+        recomputed = _aggregate(read_table(spark, table, snap, columns=[group_by, measure],
+                                           where=in_groups), group_by, measure)
+        kept = old.where(~F.col(group_by).isin(groups) | F.col(group_by).isNull())
         result = kept.unionByName(recomputed)
     else:
         result = old
     result = result.persist()
-    rows = snap.query(f"SELECT count(*) FROM {describe_table(snap, args.table).qualified}")[0][0]
+    rows = snap.query(f"SELECT count(*) FROM {describe_table(snap, table).qualified}")[0][0]
     total = result.agg(F.sum("rows")).first()[0] or 0
     if total != rows:  # an untouched group lost rows: deletes or moves the changed rows hide
         result.unpersist()
@@ -108,34 +90,37 @@ def _incremental(spark: SparkSession, snap: Snapshot, args: argparse.Namespace,
     return result
 
 
-def run_pipeline_job(spark: SparkSession, args: argparse.Namespace) -> dict[str, Any]:
+def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
     """One run: read at one snapshot, aggregate (incrementally when sound), publish the result."""
     from pyspark.sql import functions as F
 
-    output: Path = args.output
+    assert settings.target is not None and settings.output is not None  # required by the command
+    output = settings.output
+    (table,) = settings.table  # the settings allow pipeline exactly one
+    group_by, measure, lsn_column = settings.group_by, settings.measure, settings.lsn_column
     output.mkdir(parents=True, exist_ok=True)
     previous = _state(output)
     started = time.monotonic()
-    with open_snapshot(args.target, slot=args.slot) as snap:
+    with open_snapshot(settings.target, slot=settings.slot) as snap:
         if len(snap.position.positions) != 1:
             raise LookupError(f"the replica has {len(snap.position.positions)} applier.progress rows; "
                               "pass --slot to say which position tags the result")
         position = snap.position.positions[0]
-        info = describe_table(snap, args.table)
-        carries_lsn = any(c.name == args.lsn_column and c.typname == "pg_lsn" for c in info.columns)
-        mode = "full" if carries_lsn else f"full (the table has no {args.lsn_column} column)"
+        info = describe_table(snap, table)
+        carries_lsn = any(c.name == lsn_column and c.typname == "pg_lsn" for c in info.columns)
+        mode = "full" if carries_lsn else f"full (the table has no {lsn_column} column)"
         result = None
-        if carries_lsn and previous is not None and not args.full:
-            result = _incremental(spark, snap, args, previous, output)
+        if carries_lsn and previous is not None and not settings.full:
+            result = _incremental(spark, snap, settings, table, previous, output)
             mode = "incremental" if result is not None else "full (group counts did not add up)"
         if result is None:
-            result = _aggregate(read_table(spark, args.table, snap, columns=[args.group_by, args.measure]),
-                                args.group_by, args.measure)
+            result = _aggregate(read_table(spark, table, snap, columns=[group_by, measure]),
+                                group_by, measure)
         data = f"data-{position.commit_lsn.replace('/', '-')}-{int(time.time() * 1000)}"
         result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
             .write.mode("overwrite").parquet(str(output / data))
         groups = spark.read.parquet(str(output / data)).count()
-    state = {"table": args.table, "group_by": args.group_by, "measure": args.measure,
+    state = {"table": table, "group_by": group_by, "measure": measure,
              "commit_lsn": position.commit_lsn, "end_lsn": position.end_lsn,
              "commit_time": position.commit_time, "slot_name": position.slot_name,
              "snapshot": snap.snapshot_id, "mode": mode, "groups": groups, "data": data,
@@ -148,25 +133,22 @@ def run_pipeline_job(spark: SparkSession, args: argparse.Namespace) -> dict[str,
     return state
 
 
-def run_pipeline(args: argparse.Namespace) -> int:
-    if not args.target:
-        print("applier pipeline: missing --target", file=sys.stderr)
-        return 2
+def run_pipeline(settings: Settings) -> int:
+    """``applier pipeline``: OK with the state of the new result printed, else FAILED."""
+    settings.require("target", "output")
     try:
-        spark = spark_session(args.master, app_name="applier pipeline", jar=args.jdbc_jar)
-        state = run_pipeline_job(spark, args)
+        spark = spark_session(settings.master, app_name="applier pipeline", jar=settings.jdbc_jar)
+        state = run_pipeline_job(spark, settings)
     except (SparkUnavailable, LookupError) as exc:
         print(f"applier pipeline: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.FAILED
     print(json.dumps(state, indent=2))
-    return 0
+    return ExitCode.OK
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m applier.spark.pipeline`` (the same as ``applier pipeline``)."""
-    parser = argparse.ArgumentParser(prog="applier pipeline", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run_pipeline(parser.parse_args(argv))
+    return cli.main(["pipeline", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

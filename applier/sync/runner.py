@@ -184,6 +184,4 @@ def run_sync(settings: Settings) -> int:
         # E.g. TRUNCATE of a target table another table's foreign key references.
         log.error("sync failed: %s", " ".join(str(exc).split()))
         return 1
-    # The slot exists now (sync made it); ``run`` must never create one on its own.
-    settings.values.setdefault("create_slot", False)
-    return run(settings)
+    return run(settings)  # the slot exists now (sync made it); create_slot is off for sync

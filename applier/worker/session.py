@@ -189,11 +189,10 @@ class ReplicationSession:
             slot=self.slot, limits=limits, track_target_lsn=settings.synchronous_commit == "off",
             # auto: binary values until a relation is found not binary-safe (checked per relation).
             binary_check=settings.binary == "auto" and options.binary,
-            two_phase=options.two_phase, two_phase_mode=settings.two_phase_mode or "auto",
-            replication_origin=settings.replication_origin,
-            skip_origins=settings.skip_origin or (), message_sink=settings.message_sink or "table",
-            message_prefixes=settings.message_prefix or (),
-            conflict_policy=settings.conflict_policy or ())
+            two_phase=options.two_phase, two_phase_mode=settings.two_phase_mode,
+            replication_origin=settings.replication_origin, skip_origins=settings.skip_origin,
+            message_sink=settings.message_sink, message_prefixes=settings.message_prefix,
+            conflict_policy=settings.conflict_policy)
         try:
             return main_applier(target, apply_options, reflector, on_commit,
                                 careful_until=state.careful_until, warn=self.warn)

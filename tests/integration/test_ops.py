@@ -150,7 +150,7 @@ def test_status_missing_slot_and_newer_bookkeeping(source_db, target_db) -> None
     target_db.execute("BEGIN; CREATE TABLE prepared_t (); PREPARE TRANSACTION 'applier_s_1'")
     try:
         rc, report = status(source_db, target_db, slot="nope")
-        assert rc == 1 and report["slot"] is None
+        assert rc == 3 and report["slot"] is None
         assert any("does not exist" in note for note in report["notes"])
         rc, report = status(source_db, target_db, slot="s")
         assert report["table_sync"] == [{"slot_name": "s", "table_name": "public.t", "state": "ready"}]

@@ -236,18 +236,17 @@ def test_missing_table_and_bad_fetchsize(spark, target_db) -> None:
 
 
 def _pipeline(output, target_db, *extra: str) -> dict:
-    import argparse
     import contextlib
     import io
     import json
 
-    from applier.spark.pipeline import add_arguments, run_pipeline
+    from applier.cli import parse_settings
+    from applier.spark.pipeline import run_pipeline
 
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    settings = parse_settings(["pipeline", "--target", target_db.dsn, "--output", str(output), *extra], {})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = run_pipeline(parser.parse_args(["--target", target_db.dsn, "--output", str(output), *extra]))
+        rc = run_pipeline(settings)
     assert rc == 0, out.getvalue()
     return json.loads(out.getvalue())
 

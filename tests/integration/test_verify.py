@@ -3,7 +3,6 @@ by key, with the SQL engine (PostgreSQL 15 and 18) and the Spark engine (one ver
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -12,7 +11,9 @@ import re
 
 import pytest
 
-from applier.verify import add_arguments, run_verify
+from applier.cli import parse_settings
+from applier.exit_codes import ExitCode
+from applier.verify import run_verify
 
 from replication import create_slot, run_worker
 
@@ -51,13 +52,11 @@ def _replicate(source_db, target_db) -> None:
 
 
 def _verify(source_db, target_db, *extra: str) -> tuple[int, str]:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(["--source", source_db.dsn, "--target", target_db.dsn,
-                              "--publication", "pub,pub_eu", "--settle", "0", *extra])
+    settings = parse_settings(["verify", "--source", source_db.dsn, "--target", target_db.dsn,
+                               "--publication", "pub,pub_eu", "--settle", "0", *extra], {})
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = run_verify(args)
+        rc = run_verify(settings)
     return rc, out.getvalue()
 
 
@@ -97,21 +96,21 @@ def test_verify_sql_equal_then_finds_each_difference(source_db, target_db) -> No
 
     _tamper(target_db)
     rc, out = _verify(source_db, target_db, "--json")
-    assert rc == 1
+    assert rc == ExitCode.CHECK
     _check_differences(json.loads(out))
     rc, out = _verify(source_db, target_db, "--table", "items")
-    assert rc == 1
+    assert rc == ExitCode.CHECK
     assert "public.items: missing on target: id=1234" in out and "public.items: changed: id=42" in out
     assert "public.pairs" not in out and out.rstrip().endswith("DIFFERENT")
 
 
-def test_verify_usage_errors(source_db, target_db) -> None:
+def test_verify_missing_objects(source_db, target_db) -> None:
     source_db.execute(SCHEMA)
-    assert _verify(source_db, target_db, "--publication", "nope")[0] == 2
+    assert _verify(source_db, target_db, "--publication", "nope")[0] == ExitCode.FAILED
     source_db.execute("CREATE PUBLICATION other FOR TABLE items")
     rc, out = _verify(source_db, target_db, "--publication", "other")  # a table missing is a difference
-    assert rc == 1 and "public.items: missing on the target: (the table itself)" in out
-    assert _verify(source_db, target_db, "--publication", "other", "--table", "bag")[0] == 2
+    assert rc == ExitCode.CHECK and "public.items: missing on the target: (the table itself)" in out
+    assert _verify(source_db, target_db, "--publication", "other", "--table", "bag")[0] == ExitCode.FAILED
 
 
 SPARK_PG = max(int(v) for v in re.split(r"[,\s]+", os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18").strip()) if v)
@@ -126,7 +125,7 @@ def test_verify_spark_engine(source_db, target_db) -> None:
     assert rc == 0, out
     _tamper(target_db)
     rc, out = _verify(source_db, target_db, "--engine", "spark", "--json")
-    assert rc == 1
+    assert rc == ExitCode.CHECK
     report = json.loads(out)
     assert report["engine"] == "spark"
     _check_differences(report)

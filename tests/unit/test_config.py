@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import tomllib
+import types
+import typing
 from pathlib import Path
 
 import pytest
 
-from applier.config import ConfigError, OPTIONS, example_config, load_settings, mask_dsn, parse_size
+from applier.config import (
+    ConfigError, OPTIONS, Settings, example_config, load_settings, mask_dsn, options_for, parse_size,
+)
+from applier.units import format_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -72,6 +80,9 @@ def test_sizes() -> None:
     assert parse_size("512kB") == 512 * 1024
     assert parse_size("1GiB") == 1024**3
     assert parse_size("100") == 100
+    assert [format_size(n) for n in (64 * 1024**2, 1024**3, 8192, 1000, 1536 * 1024)] == [
+        "64MB", "1GB", "8kB", "1000B", "1536kB"]
+    assert all(parse_size(format_size(n)) == n for n in (1, 4096, 1024**4, 3 * 1024**2 + 1))
 
 
 def test_passwords_are_masked_in_both_dsn_forms() -> None:
@@ -89,3 +100,94 @@ def test_example_config_is_current_and_complete() -> None:
         "> config/applier.example.toml")
     for option in OPTIONS:
         assert f"# {option.name} = " in text
+
+
+# -- the Settings dataclass and the option table agree ---------------------------------------------
+
+_OWN_FIELDS = {"command", "sources"}
+HINTS = typing.get_type_hints(Settings)
+
+
+def conforms(value: object, hint: object) -> bool:
+    """Whether ``value`` has the type ``hint`` describes (the hints Settings uses)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(conforms(value, arg) for arg in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(conforms(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint in (int, float) and isinstance(value, bool):
+        return False  # a bool is an int to isinstance, never to a setting
+    assert isinstance(hint, type), hint
+    return isinstance(value, hint)
+
+
+def test_settings_has_one_field_per_option_name() -> None:
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    assert fields - _OWN_FIELDS == {option.name for option in OPTIONS}
+    assert not {"values", "require", "describe"} & {option.name for option in OPTIONS}
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: f"{o.name}:{o.commands[0]}")
+def test_every_default_type_checks_against_its_field(option) -> None:
+    hint = HINTS[option.name]
+    assert conforms(option.default, hint), f"{option.name}: default {option.default!r} is not {hint}"
+    if option.kind == "choice":  # the field's Literal names exactly the choices
+        literal = next(a for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal) \
+            if typing.get_origin(hint) in (typing.Union, types.UnionType) else hint
+        assert typing.get_args(literal) == option.choices
+
+
+def test_example_values_type_check_against_their_fields() -> None:
+    """Every option's example in the config file converts to a value of the field's type."""
+    examples = re.findall(r"^# commands: .*\n# (\w+) = (.*)$", example_config(), re.MULTILINE)
+    assert [name for name, _ in examples] == [option.name for option in OPTIONS]
+    for option, (_, literal) in zip(OPTIONS, examples):
+        value = option.convert(tomllib.loads(f"x = {literal}")["x"])
+        assert conforms(value, HINTS[option.name]), (option.name, value)
+
+
+def test_entries_of_one_name_share_a_field_and_split_the_commands() -> None:
+    for name in {option.name for option in OPTIONS}:
+        entries = [option for option in OPTIONS if option.name == name]
+        assert len({(o.kind, o.secret) for o in entries}) == 1, name
+        commands = [c for o in entries for c in o.commands]
+        assert len(commands) == len(set(commands)), f"{name}: a command has two entries"
+
+
+def test_settings_are_frozen_and_fully_typed_for_every_command() -> None:
+    for command in ("run", "sync", "peek", "status", "skip", "verify", "pipeline", "demo"):
+        settings = load_settings(command, {}, None, {})
+        assert set(settings.sources) == {o.name for o in options_for(command)}
+        for field in dataclasses.fields(Settings):
+            if field.name not in _OWN_FIELDS:
+                assert conforms(getattr(settings, field.name), HINTS[field.name]), field.name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.slot = "x"  # type: ignore[misc]
+
+
+def test_defaults_come_from_the_table_per_command() -> None:
+    assert load_settings("run", {}, None, {}).log_level == "INFO"
+    assert load_settings("verify", {}, None, {}).log_level == "WARNING"
+    assert load_settings("verify", {}, None, {}).table == []
+    assert load_settings("pipeline", {}, None, {}).table == ["orders"]
+    assert load_settings("run", {}, None, {}).ready_max_lag.seconds == 60
+    assert load_settings("sync", {}, None, {}).create_slot is False  # sync goes on as run
+    first, second = load_settings("run", {}, None, {}), load_settings("run", {}, None, {})
+    assert first.publication is not second.publication  # no list shared between settings
+
+
+@pytest.mark.parametrize("command, values, message", [
+    ("pipeline", {"table": "a,b"}, "pipeline aggregates one table, not 2"),
+    ("demo", {"pg_version": "16"}, "pg_version: 16 is not one of 15, 18"),
+    ("verify", {"settle": "soon"}, "settle: could not convert"),
+    ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),
+    ("status", {"max_lag": "5"}, "max_lag: lag limit '5' has no unit"),
+])
+def test_bad_values_of_every_command_are_named(command: str, values: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(command, values, None, {})

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from applier.config import ConfigError, mask_dsn
+from applier.config import ConfigError, load_settings, mask_dsn
 from applier.ops import logs
 from applier.ops.lag import Lag, measure_lag, parse_lag_limit
 from applier.ops.reference import REFERENCE_PATH, config_reference, reference_block
@@ -28,7 +28,7 @@ def test_lag_counts_only_unhandled_wal() -> None:
 
 
 @pytest.mark.parametrize("text, size, seconds", [
-    ("64MB", 64 * 1024**2, None), ("0", 0, None), ("1048576", 1048576, None),
+    ("64MB", 64 * 1024**2, None), ("0", 0, None), ("1048576B", 1048576, None),
     ("30s", None, 30.0), ("5min", None, 300.0), ("2h", None, 7200.0), ("500ms", None, 0.5),
     ("1 day", None, 86400.0),
 ])
@@ -46,9 +46,19 @@ def test_lag_limit_exceeded() -> None:
     assert not parse_lag_limit("10s").exceeded_by(Lag(0, None))
 
 
+@pytest.mark.parametrize("text", ["1048576", "5", "0.5"])
+def test_lag_limit_without_unit_is_refused(text: str) -> None:
+    """Bytes or seconds? Only 0 means the same either way."""
+    with pytest.raises(ValueError, match=rf"lag limit '{text}' has no unit.*{text}MB.*{text}s"):
+        parse_lag_limit(text)
+
+
 def test_bad_lag_limit_says_what_is_valid() -> None:
+    """Checked when the settings load, so the command stops before it connects anywhere."""
     with pytest.raises(ConfigError, match=r"max_lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
-        parse_lag_limit("5 parsecs")
+        load_settings("status", {"max_lag": "5 parsecs"}, None, {})
+    with pytest.raises(ConfigError, match=r"ready_max_lag: lag limit '5' has no unit"):
+        load_settings("run", {}, None, {"APPLIER_READY_MAX_LAG": "5"})
 
 
 def test_passwords_inside_longer_text_are_masked_without_eating_the_rest() -> None:

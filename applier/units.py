@@ -1,0 +1,35 @@
+"""Sizes in text: ``'64MB'`` to bytes and back.
+
+Owns the one spelling of byte sizes that options, help texts and the configuration reference
+share (binary multiples, PostgreSQL's ``kB``/``MB``/``GB``/``TB``). A leaf module: it must never
+import the rest of applier, so that both ``config`` and ``ops.lag`` can build on it.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_size", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+_NAMES = (("TB", 1024**4), ("GB", 1024**3), ("MB", 1024**2), ("kB", 1024))
+
+
+def parse_size(text: str | int) -> int:
+    """``'64MB'``, ``'512kB'``, ``'1GiB'`` or a plain byte count -> bytes (binary multiples)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"invalid size {text!r}: use a number with an optional unit, e.g. 64MB")
+    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(size: int) -> str:
+    """Bytes -> the largest unit that divides them exactly: ``64MB``, ``8kB``, ``1000B``."""
+    for name, factor in _NAMES:
+        if size and size % factor == 0:
+            return f"{size // factor}{name}"
+    return f"{size}B"

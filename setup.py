@@ -13,7 +13,8 @@ setup(
     packages=find_packages(include=["applier", "applier.*"])
     + ["applier._migrations", "applier._migrations.versions"],
     package_dir={"applier._migrations": "migrations"},
-    package_data={"applier._migrations": ["script.py.mako"], "applier.spark": ["*.properties"]},
+    package_data={"applier": ["py.typed"], "applier._migrations": ["script.py.mako"],
+                  "applier.spark": ["*.properties"]},
     ext_modules=[
         Extension(
             "applier.protocol._speedups",

@@ -417,6 +417,14 @@ class Settings:
             listed = ", ".join(f"{o.flag} (or {o.env}, or '{o.name}' in the config file)" for o in missing)
             raise ConfigError(f"missing required setting(s): {listed}")
 
+    def required(self, name: str) -> str:
+        """A text setting the command cannot run without (a DSN, the slot): its value, or the
+        same ``ConfigError`` as ``require``. Typed ``str``, where the field is ``str | None``."""
+        self.require(name)
+        value = getattr(self, name)
+        assert isinstance(value, str)
+        return value
+
     def describe(self) -> dict[str, Any]:
         """The command's settings as they may be logged: DSN passwords masked."""
         return {name: mask_dsn(value) if value and _entry(self.command, name).secret else value

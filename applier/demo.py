@@ -48,10 +48,10 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
         if roll < 0.10:
             conn.execute("UPDATE products SET price = price + 0.01 WHERE sku = %s",
                          (f"sku-{rng.randrange(200)}",))
-            return 1
+            return ExitCode.FAILED
         if roll < 0.15:
             conn.execute("DELETE FROM orders WHERE id = %s", (rng.randrange(1, next_order[0]),))
-            return 1
+            return ExitCode.FAILED
         order = next_order[0]
         next_order[0] += 1
         conn.execute("INSERT INTO orders VALUES (%s, %s, %s, %s, %s, %s)",
@@ -59,7 +59,7 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
                       rng.randint(100, 99999) / 100, '{"channel": "web"}'))
         conn.execute("UPDATE customers SET email = %s WHERE id = %s",
                      (f"c{order}@example.com", rng.randrange(1, 2001)))
-        return 2
+        return ExitCode.USAGE
 
 
 def _prepare_step(conn: psycopg.Connection, next_order: list[int]) -> int:

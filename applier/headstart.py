@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import psycopg
 
 from .config import ConfigError, Settings
+from .errors import SourceError
 from .progress.bookkeeping import SqlBookkeeping
 from .protocol.lsn import LSN
-from .errors import SourceError
 from .source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
 from .source.slots import slot_info
 
@@ -105,14 +105,14 @@ def start_early(settings: Settings) -> HeadStart | None:
         settings.require("source", "target", "slot", "publication")
     except ConfigError:
         return None
-    slot = settings.slot
+    slot = settings.required("slot")
     stream: ReplicationStream | None = None
     try:
-        with psycopg.connect(settings.target, autocommit=True,
+        with psycopg.connect(settings.required("target"), autocommit=True,
                              application_name=f"applier {slot} (start)") as target:
             encoding = target.info.parameter_status("server_encoding") or "UTF8"
             applied = SqlBookkeeping(target).position(slot)
-        with psycopg.connect(settings.source, autocommit=True,
+        with psycopg.connect(settings.required("source"), autocommit=True,
                              application_name="applier control") as control:
             info = slot_info(control, slot)
             version = control.info.server_version
@@ -121,7 +121,7 @@ def start_early(settings: Settings) -> HeadStart | None:
             return None
         options = options_for(settings, version, info.two_phase)
         start_lsn = applied.end_lsn if applied is not None else LSN(0)
-        stream = ReplicationStream(settings.source, slot, options,
+        stream = ReplicationStream(settings.required("source"), slot, options,
                                    status_interval=settings.status_interval, client_encoding=encoding)
         stream.connect()
         source_position = stream.identify_system()[2]

@@ -23,9 +23,15 @@ from psycopg import pq
 
 from .implementation import accelerator
 
-__all__ = ["Binding", "functions"]
+__all__ = ["Binding", "functions", "pointer"]
 
 log = logging.getLogger(__name__)
+
+
+def pointer(pgconn: pq.abc.PGconn) -> int:
+    """The address of the libpq ``PGconn`` behind ``pgconn``, for a C helper. psycopg's PGconn
+    ABC does not declare ``pgconn_ptr``; both its implementations (C and ctypes) have it."""
+    return int(pgconn.pgconn_ptr)  # type: ignore[attr-defined]
 
 
 def functions(pgconn: pq.abc.PGconn, names: Sequence[str]) -> list[int] | None:
@@ -38,8 +44,8 @@ def functions(pgconn: pq.abc.PGconn, names: Sequence[str]) -> list[int] | None:
             lib.PQlibVersion.restype = ctypes.c_int
             lib.PQbackendPID.argtypes = lib.PQsocket.argtypes = [ctypes.c_void_p]
             if (lib.PQlibVersion() != pq.version()
-                    or lib.PQbackendPID(pgconn.pgconn_ptr) != pgconn.backend_pid
-                    or lib.PQsocket(pgconn.pgconn_ptr) != pgconn.socket):
+                    or lib.PQbackendPID(pointer(pgconn)) != pgconn.backend_pid
+                    or lib.PQsocket(pointer(pgconn)) != pgconn.socket):
                 continue
             return [ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0 for name in names]
         except (OSError, AttributeError):

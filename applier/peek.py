@@ -58,7 +58,6 @@ import time
 from collections.abc import Generator
 from contextlib import closing
 from datetime import datetime
-from functools import cache
 from itertools import islice
 from typing import Any, TextIO
 
@@ -66,12 +65,17 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .config import Settings, mask_dsn
+from .exit_codes import ExitCode
 from .protocol import LSN, DecodeError, decode
 from .protocol.messages import (
-    RelationColumn, ReplicationMessage, StreamStart, StreamStop, TupleData, Unchanged,
+    RelationColumn,
+    ReplicationMessage,
+    StreamStart,
+    StreamStop,
+    TupleData,
+    Unchanged,
 )
-from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption
-from .source import resolve_stream_options
+from .source import ReplicationStream, SourceError, StreamOptions, UnsupportedOption, resolve_stream_options
 from .source.slots import SlotInfo, publications_missing, slot_info
 
 __all__ = ["peek", "PeekError", "message_to_json", "sql_options"]
@@ -99,11 +103,11 @@ def peek(settings: Settings) -> int:
         # The reader (e.g. `| head`) has gone: that is a normal end. Point stdout at /dev/null so
         # the interpreter's final flush does not complain again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return ExitCode.OK
     except (PeekError, UnsupportedOption, SourceError, DecodeError, psycopg.Error) as exc:
-        print(f"applier peek: {_one_line(exc, settings.source)}", file=sys.stderr)
-        return 1
-    return 0
+        print(f"applier peek: {_one_line(exc, settings.required('source'))}", file=sys.stderr)
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 def _emit(out: TextIO, obj: dict[str, Any]) -> None:
@@ -128,11 +132,11 @@ def _one_line(exc: BaseException, dsn: str) -> str:
 def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
     """Check the slot, publications and options, then yield (lsn, message) from the slot."""
     try:
-        conn = psycopg.connect(settings.source, autocommit=True)
+        conn = psycopg.connect(settings.required("source"), autocommit=True)
     except psycopg.Error as exc:
         raise PeekError(f"cannot connect to the source: {exc}") from None
     with conn:
-        slot = _slot(conn, settings.slot)
+        slot = _slot(conn, settings.required("slot"))
         missing = publications_missing(conn, settings.publication)
         if missing:
             names = ", ".join(repr(name) for name in missing)
@@ -149,7 +153,7 @@ def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], N
                             "with two_phase would switch the slot to two-phase for good, and peek "
                             "never alters a slot (leave --two-phase off)")
         if settings.sql:
-            yield from _peek_sql(conn, settings.slot, options, settings.limit)
+            yield from _peek_sql(conn, settings.required("slot"), options, settings.limit)
             return
     yield from _peek_replication(settings, slot, options)
 
@@ -217,7 +221,7 @@ def _peek_sql(conn: psycopg.Connection[Any], slot: str, options: StreamOptions,
 def _peek_replication(settings: Settings, slot: SlotInfo, options: StreamOptions
                       ) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
     assert slot.confirmed_flush_lsn is not None  # only a slot being created has none
-    stream = ReplicationStream(settings.source, settings.slot, options)
+    stream = ReplicationStream(settings.required("source"), settings.required("slot"), options)
     try:
         stream.connect()
         # Starting at confirmed_flush_lsn makes the stream's flush position exactly the slot's:
@@ -252,9 +256,16 @@ def message_to_json(lsn: LSN, message: ReplicationMessage) -> dict[str, Any]:
     return obj
 
 
-@cache
+_PROPERTIES: dict[type, tuple[str, ...]] = {}
+
+
 def _properties(cls: type) -> tuple[str, ...]:
-    return tuple(name for name, attr in vars(cls).items() if isinstance(attr, property))
+    """The properties a message class defines (``Truncate.cascade``...), each class read once."""
+    found = _PROPERTIES.get(cls)
+    if found is None:
+        found = _PROPERTIES[cls] = tuple(name for name, attr in vars(cls).items()
+                                         if isinstance(attr, property))
+    return found
 
 
 def _object_fields(obj: Any) -> dict[str, Any]:

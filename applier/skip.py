@@ -18,6 +18,7 @@ import psycopg
 
 from .apply.skipping import describe_request
 from .config import Settings
+from .exit_codes import ExitCode
 from .preflight import PreflightFailed, connect, slot_recorded
 from .progress.bookkeeping import SqlBookkeeping
 from .progress.lock import AlreadyRunning, WorkerLock
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 def run_skip(settings: Settings) -> int:
     settings.require("target", "slot", "lsn")
+    slot, lsn = settings.required("slot"), settings.lsn
+    assert lsn is not None  # required just above
     try:
         problems = _slot_problems(settings)
     except PreflightFailed as exc:
@@ -39,22 +42,22 @@ def run_skip(settings: Settings) -> int:
         problems = [" ".join(str(exc).split())]
     if problems:
         log.error("nothing stored: %s", "; ".join(problems))
-        return 1
-    engine = make_engine(settings.target)
+        return ExitCode.FAILED
+    engine = make_engine(settings.required("target"))
     try:
         upgrade_schema(engine)
         with engine.begin() as conn:
-            previous = SqlBookkeeping(conn).request_skip(settings.slot, settings.lsn)
+            previous = SqlBookkeeping(conn).request_skip(slot, lsn)
     except SchemaError as exc:
         log.error("%s", exc)
-        return 1
+        return ExitCode.FAILED
     except ValueError as exc:
         log.error("nothing to skip: %s", exc)
-        return 1
+        return ExitCode.FAILED
     finally:
         engine.dispose()
-    print(describe_request(settings.slot, settings.lsn, previous))
-    lock = WorkerLock(settings.target, settings.slot)
+    print(describe_request(slot, lsn, previous))
+    lock = WorkerLock(settings.required("target"), slot)
     try:
         lock.acquire()
     except AlreadyRunning:
@@ -64,18 +67,18 @@ def run_skip(settings: Settings) -> int:
         print("Start the worker (applier run) to skip it.")
     finally:
         lock.release()
-    return 0
+    return ExitCode.OK
 
 
 def _slot_problems(settings: Settings) -> list[str]:
     """Why a request for this slot could never be met, read before the bookkeeping schema is
     created: neither the target (its progress and sync state) nor, with --source, the source
     knows the slot."""
-    slot = settings.slot
-    with connect(settings.target, "target") as target:
+    slot = settings.required("slot")
+    with connect(settings.required("target"), "target") as target:
         if slot_recorded(target, slot):
             return []
-    source = settings.source
+    source = settings.required("source")
     if not source:
         return [f"slot {slot!r} is unknown to the target: no applier.progress or "
                 "applier.table_sync row names it, so no worker has run for it. Check --slot; to "

@@ -263,9 +263,10 @@ def _plan_ranges(snaps: Snapshots, spec: TableSpec) -> _Ranges:
     if not spec.integer_key:
         return _Ranges(count)
     key = sql.Identifier(spec.key[0])
+    sides: tuple[tuple[psycopg.Connection[Any], Literal["source", "target"]], ...] = (
+        (snaps.source, "source"), (snaps.target, "target"))
     bounds = [conn.execute(sql.SQL("SELECT min({k}), max({k}) FROM {t}{w}").format(
-        k=key, t=spec.qualified, w=_where(spec, side))).fetchone()
-        for conn, side in ((snaps.source, "source"), (snaps.target, "target"))]
+        k=key, t=spec.qualified, w=_where(spec, side))).fetchone() for conn, side in sides]
     lows = [b[0] for b in bounds if b and b[0] is not None]
     highs = [b[1] for b in bounds if b and b[1] is not None]
     if not lows:
@@ -408,7 +409,8 @@ def format_table(report: VerifyReport) -> str:
                 lines.append(f"{t.table}: {kind}: " + ", ".join(f"{c}={v}" for c, v in zip(t.key, key)))
             if count > len(keys):
                 lines.append(f"{t.table}: {kind}: ... and {count - len(keys)} more")
-    slots = ", ".join(f"{p['slot_name']} at {p['commit_lsn']}" for p in report.target_positions) or "no applier.progress"
+    slots = (", ".join(f"{p['slot_name']} at {p['commit_lsn']}" for p in report.target_positions)
+             or "no applier.progress")
     lines.append(f"source read at WAL {report.source_wal_lsn}; target had applied {slots}; "
                  f"{report.rounds} round(s); engine {report.engine}")
     lines.append("EQUAL" if report.equal else "DIFFERENT")

@@ -8,7 +8,8 @@ with ``applier run --exit-when-caught-up`` and the other with a native ``CREATE 
 (``copy_data = false`` on the pre-made slot), verifies both targets equal the source, and prints
 elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and two physical
 limits: the source's (decoding the same backlog from a third slot with
-``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary COPY of the same rows). It
+``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary
+COPY of the same rows). It
 also prints the CPU time each contender's drain cost the source's and the target's server
 processes: the source's is almost all one walsender, a single process, so it is a floor for
 the drain time of any subscriber. The applier package is byte-compiled first, as an installed
@@ -27,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import compileall
-import statistics
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -43,8 +44,7 @@ import psycopg  # noqa: E402
 from psycopg import sql  # noqa: E402
 from psycopg.conninfo import make_conninfo  # noqa: E402
 
-from applier.embedded import (Database, LocalCluster, PostgresServer, ServerSettings,  # noqa: E402
-                               start_server)
+from applier.embedded import Database, LocalCluster, PostgresServer, ServerSettings, start_server  # noqa: E402
 from applier.progress.store import make_engine, upgrade_schema  # noqa: E402
 
 #: Durable targets, as in production: the commit path is part of what is measured.

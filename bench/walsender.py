@@ -38,8 +38,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
-                   stream_dsn, stream_protocol, transport, workloads)
+from apply import (  # noqa: E402
+    SOURCE_SETTINGS,
+    Workload,
+    _pgbench,
+    _with_work_mem,
+    stream_dsn,
+    stream_protocol,
+    transport,
+    workloads,
+)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402

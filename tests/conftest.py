@@ -42,7 +42,7 @@ class PgPair:
         for server in (self.source, self.target):
             try:
                 server.cleanup()
-            except Exception:  # noqa: BLE001 - keep stopping the rest
+            except Exception:
                 pass
 
 

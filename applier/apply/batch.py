@@ -11,8 +11,9 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
   straight from the received payloads): inserts as COPY text or binary (``Run``), or updates of
-  every column or deletes, by key and folded by key (``KeyRun``), each run in one value format. It is sent where it began, as one
-  COPY or as multi-row UPDATEs or DELETEs, so a change that must follow its rows (another kind
+  every column or deletes, by key and folded by key (``KeyRun``), each run in one value format.
+  It is sent where it began, as one COPY or as multi-row UPDATEs or DELETEs, so a change that
+  must follow its rows (another kind
   of change of that table, a barrier) closes it first;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
@@ -31,8 +32,20 @@ from operator import itemgetter
 
 from ..protocol.messages import TupleData
 from .batch_sql import (
-    COPY, DELETE, DELETES, INSERT, SQL_TEXT, UPDATE, UPDATES, BatchStatement, Emitter, KeyRun, Op,
-    Run, in_format, present_columns,
+    COPY,
+    DELETE,
+    DELETES,
+    INSERT,
+    SQL_TEXT,
+    UPDATE,
+    UPDATES,
+    BatchStatement,
+    Emitter,
+    KeyRun,
+    Op,
+    Run,
+    in_format,
+    present_columns,
 )
 from .copy import copy_binary, copy_text
 from .mapping import RelationMapping
@@ -84,8 +97,8 @@ class Batch:
         ends."""
         assert mapping.table.independent and run.columns == len(mapping.target_columns)
         relation_id = mapping.relation.relation_id
-        kind = _RUN_OPS[kind]
-        op = Op(kind, mapping, None, None, (kind, relation_id, False), run=run)
+        op_kind = _RUN_OPS[kind]
+        op = Op(op_kind, mapping, None, None, (op_kind, relation_id, False), run=run)
         self._open[relation_id] = op
         self.runs[relation_id] = run
         self._ops.append(op)
@@ -150,7 +163,8 @@ class Batch:
                 self._last.pop(self._key(mapping, old), None)
                 self._last.pop(self._key(mapping, new), None)
             by_key = not mapping.full_identity
-            match = mapping.key_positions if by_key else present_columns(old)  # FULL always sends the old row
+            # FULL identity always sends the old row: it is what a row is matched by.
+            match = mapping.key_positions if by_key or old is None else present_columns(old)
             source = OLD if old is not None else NEW
             self._ops.append(Op(UPDATE, mapping, new, old,
                                  (UPDATE, relation_id, assigned, source, match, by_key, False)))

@@ -19,7 +19,7 @@ from psycopg import sql
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
 from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
 from .mapping import RelationMapping
-from .statements import NEW, OLD, column, delete_sql, placeholder, table, update_sql, on_conflict
+from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
 
 __all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "INSERT",
            "KeyRun", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES", "every_column", "in_format",
@@ -42,7 +42,7 @@ class Op:
     old: TupleData | None          # update: the old key/row when sent
     shape: tuple                   # what makes two ops share one statement
     sql: str = ""                  # SQL_TEXT ops: a statement sent as is (TRUNCATE)
-    run: "Run | KeyRun | None" = None  # COPY, UPDATES and DELETES ops: the run
+    run: Run | KeyRun | None = None  # COPY, UPDATES and DELETES ops: the run
 
 
 @dataclass(slots=True)

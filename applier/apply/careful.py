@@ -17,7 +17,12 @@ from .conflicts import ConflictHandler
 from .mapping import RelationMapping
 from .relations import RelationCache
 from .statements import (
-    NEW, Statement, delete_statement, insert_statement, truncate_sql, update_statement,
+    NEW,
+    Statement,
+    delete_statement,
+    insert_statement,
+    truncate_sql,
+    update_statement,
 )
 from .transaction import TargetTransaction
 

@@ -72,7 +72,7 @@ def copy_binary_data(tuples: bytes | bytearray) -> bytes:
 
 def _accelerated() -> Callable[[list[Row]], bytes] | None:
     speedups = accelerator("protocol._speedups")
-    return None if speedups is None else speedups.copy_text  # type: ignore[no-any-return]
+    return None if speedups is None else speedups.copy_text
 
 
 copy_text: Callable[[list[Row]], bytes] = _accelerated() or copy_text_pure

@@ -28,8 +28,16 @@ from ..errors import ApplyError, Cause, Directive, TargetError, decide
 from ..progress.records import Position
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
-    CommitPrepared, Delete, Insert, Message, Origin, Relation, RollbackPrepared,
-    Truncate, Type, Update,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Relation,
+    RollbackPrepared,
+    Truncate,
+    Type,
+    Update,
 )
 from .batch import KeyRun, Run
 from .careful import CarefulPath, update_key

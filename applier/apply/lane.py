@@ -8,8 +8,8 @@ transactions it saw commit and the last of them (the progress row names it), a p
 a batch that is full. A stream of small transactions (pgbench's, single-row inserts) or one large
 one is then mostly C: no message object, no call per change. Whatever the lane does not take
 (any other message, a table it may not write, an update of part of a row or of its key, a row
-whose values are not all in its run's format, anything malformed) it leaves where it stopped, and the ordinary path (decoder,
-assembler, sink) takes it, so every check and error stays there.
+whose values are not all in its run's format, anything malformed) it leaves where it stopped,
+and the ordinary path (decoder, assembler, apply) takes it, so every check and error stays there.
 
 Must never hold a transaction across a return: one still open when the C lane stops is handed
 back (its Begin fed to the assembler), so the ordinary path finishes it and a batch is never

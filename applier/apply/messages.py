@@ -2,12 +2,12 @@
 
 Owns what happens to a Message once the assembler hands it over: the prefix filter, and the sink.
 
-* ``table``: ``applier.messages`` on the target (through the bookkeeping store). A transactional message is inserted inside the
-  target transaction of its source transaction, in stream order with that transaction's row
-  changes, so it becomes visible exactly when (and only if) they do, once. A non-transactional one
-  is inserted at once in its own transaction; the server may send it again after a restart (it
-  has no commit to confirm), so rows are unique per (slot, message LSN) and a resent one is
-  dropped.
+* ``table``: ``applier.messages`` on the target (through the bookkeeping store). A
+  transactional message is inserted inside the target transaction of its source transaction, in
+  stream order with that transaction's row changes, so it becomes visible exactly when (and only
+  if) they do, once. A non-transactional one is inserted at once in its own transaction; the
+  server may send it again after a restart (it has no commit to confirm), so rows are unique per
+  (slot, message LSN) and a resent one is dropped.
 * ``log``: one INFO line per message as it is applied.
 
 Must never decide transaction boundaries; the apply stage calls it.

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from ..assembler import Change, TransactionEnd, TransactionStart, deliver
 from ..errors import ApplyError, Cause, Directive, TargetError, TextValuesNeeded, decide
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 LOCK_TIMEOUT = "5s"
 #: The early transaction's commit LSN is not known before its Stream Commit.
 _UNKNOWN_LSN = LSN(2**64 - 1)
-_UNKNOWN_TIME = datetime.fromtimestamp(0, timezone.utc)
+_UNKNOWN_TIME = datetime.fromtimestamp(0, UTC)
 #: The changes applied here (the others leave the transaction to be applied at its commit).
 _APPLIED = (Insert, Update, Delete, Truncate)
 _ORIGIN_RESET = "SELECT pg_catalog.pg_replication_origin_session_reset()"
@@ -149,7 +149,7 @@ class StreamingApply:
         if self._xid is None:
             return
         if type(msg) is Type:
-            self.applier.type(msg)  # type: ignore[arg-type]
+            self.applier.type(msg)
             return
         self._relations.append(msg)  # type: ignore[arg-type]
         # What the batch holds is sent before the definition changes: this session writes.

@@ -119,7 +119,8 @@ class TargetSession:
                 self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),
                             f"preparing {statement.sql}")
                 self._prepared.add(statement.name)
-            result = self.pgconn.exec_prepared(statement.name, values, formats)
+            # libpq takes NULL for a NULL value; psycopg's stubs leave None out of the type.
+            result = self.pgconn.exec_prepared(statement.name, values, formats)  # type: ignore[arg-type]
         except psycopg.Error as exc:
             raise _lost(statement.sql.split(None, 1)[0], str(exc)) from exc
         return self._check(result, statement.sql)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 
-
 from psycopg import pq, sql
 
 from .. import faults

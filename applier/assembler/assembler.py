@@ -21,10 +21,28 @@ from pathlib import Path
 from typing import Any
 
 from applier.protocol import (
-    Begin, BeginPrepare, Commit, CommitPrepared, Delete, Insert, Message, MessageType, Origin,
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    MessageType,
+    Origin,
     Prepare,
-    Relation, ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare,
-    StreamStart, StreamStop, Truncate, Type, Update, decode,
+    Relation,
+    ReplicationMessage,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    Type,
+    Update,
+    decode,
 )
 
 from .buffer import SPILL_GLOB, StreamBuffer, record_cost, spill_path

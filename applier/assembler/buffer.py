@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 import struct
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-import tempfile
 from pathlib import Path
 from typing import Final
 

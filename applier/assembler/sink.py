@@ -14,8 +14,17 @@ from datetime import datetime
 from typing import Protocol, TypeAlias, Union
 
 from applier.protocol import (
-    LSN, CommitPrepared, Delete, Insert, Message, Origin, Relation, RollbackPrepared, Truncate,
-    Type, Update,
+    LSN,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Relation,
+    RollbackPrepared,
+    Truncate,
+    Type,
+    Update,
 )
 
 __all__ = ["TransactionSink", "TransactionStart", "TransactionEnd", "Change", "EarlyApply"]

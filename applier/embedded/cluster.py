@@ -165,7 +165,8 @@ class Database:
         with self.connect() as conn:
             conn.execute(query, params)  # type: ignore[arg-type]
 
-    def query(self, query: str | sql.Composable, params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
+    def query(self, query: str | sql.Composable,
+              params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
         with self.connect() as conn:
             return conn.execute(query, params).fetchall()  # type: ignore[arg-type]
 
@@ -389,7 +390,8 @@ class LocalCluster:
                 f"?host={quote(str(self.socket_dir), safe='')}&port={self._port}")
 
     # ---- life cycle
-    def _run(self, args: list[str], *, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    def _run(self, args: list[str], *, check: bool = True,
+             timeout: float | None = None) -> subprocess.CompletedProcess[str]:
         kwargs: dict[str, Any] = {}
         if not self.user.is_current:
             kwargs = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}

@@ -115,9 +115,9 @@ class ContainerCluster:
     def start(self) -> None:
         if self._container is None:
             try:
-                from testcontainers.community.postgres import PostgresContainer  # type: ignore[import-untyped]
+                from testcontainers.community.postgres import PostgresContainer
             except ImportError:  # older testcontainers layout
-                from testcontainers.postgres import PostgresContainer  # type: ignore[import-untyped]
+                from testcontainers.postgres import PostgresContainer
 
             args = " ".join(f"-c {n}={v}" for n, v in self.settings.values.items())
             container = PostgresContainer(self.image, username="postgres",

@@ -81,22 +81,23 @@ class _WorkerCollector(Collector):
         yield gauge("applier_spilled_bytes", "Bytes of open streamed transactions spilled to disk.",
                     snap["spilled_bytes"])
         probe: Probe | None = snap["probe"]
-        ok = probe is not None and probe.error is None
+        good = probe if probe is not None and probe.error is None else None
+        lag = good.lag if good is not None else None
         yield gauge("applier_apply_lag_bytes", "Source WAL not yet applied or confirmed.",
-                    probe.lag.bytes if ok and probe.lag else None)
+                    lag.bytes if lag else None)
         yield gauge("applier_apply_lag_seconds", "Upper bound on how far the replica is behind "
-                    "in time (0 when caught up).",
-                    probe.lag.seconds if ok and probe.lag else None)
+                    "in time (0 when caught up).", lag.seconds if lag else None)
         yield gauge("applier_source_rtt_seconds", "Round-trip time of a small query on the source.",
-                    probe.source_rtt if ok else None)
+                    good.source_rtt if good else None)
         yield gauge("applier_target_rtt_seconds", "Round-trip time of a small query on the target.",
-                    probe.target_rtt if ok else None)
-        yield gauge("applier_probe_ok", "1 when the last probe reached both servers.", int(ok))
+                    good.target_rtt if good else None)
+        yield gauge("applier_probe_ok", "1 when the last probe reached both servers.",
+                    int(good is not None))
 
 
 def _handler(telemetry: Observed, registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server API
+        def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 body = exposition.generate_latest(registry)
@@ -118,7 +119,7 @@ def _handler(telemetry: Observed, registry: CollectorRegistry) -> type[BaseHTTPR
             self.end_headers()
             self.wfile.write(body)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not news
+        def log_message(self, format: str, *args: Any) -> None:
             return
 
     return Handler

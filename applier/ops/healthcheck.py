@@ -16,7 +16,7 @@ import urllib.request
 def main() -> int:
     port = os.environ.get("APPLIER_METRICS_PORT")
     if not port:
-        import applier.protocol  # noqa: F401 - importing is the check
+        import applier.protocol
         import applier.worker  # noqa: F401
         return 0
     url = f"http://127.0.0.1:{int(port)}/healthz"

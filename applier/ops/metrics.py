@@ -17,8 +17,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection
@@ -201,8 +200,8 @@ class Telemetry:
                     target = make_engine(self._target_dsn).connect()
                 self._probe = self._probe_once(source, target)
             except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
-                self._probe = Probe(time.monotonic(), None, None, None, None,
-                                     mask_dsn(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self._probe = Probe(time.monotonic(), None, None, None, None, mask_dsn(reason))
                 for conn in (source, target):
                     if conn is not None:
                         try:
@@ -226,11 +225,11 @@ class Telemetry:
         target_rtt = time.perf_counter() - started
         stream = self._stream
         lag = measure_lag(source_lsn, done_position(progress, stream.flush_lsn if stream else None),
-                          progress.commit_time if progress else None, datetime.now(timezone.utc))
+                          progress.commit_time if progress else None, datetime.now(UTC))
         return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
 
 
-def _retry(read):  # noqa: ANN001, ANN202 - a no-argument reader of worker state
+def _retry(read):
     # Iterating a dict the worker thread is resizing raises RuntimeError; the next try succeeds.
     for _ in range(10):
         try:

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ def collect_status(settings: Settings) -> StatusReport:
     if progress is None:
         notes.append("nothing applied yet for this slot on the target")
     lag = measure_lag(wal_lsn, done_position(progress, slot.confirmed_flush_lsn if slot else None),
-                      progress.commit_time if progress else None, datetime.now(timezone.utc))
+                      progress.commit_time if progress else None, datetime.now(UTC))
     spill_dir = settings.spill_dir or default_spill_dir(slot_name)
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,

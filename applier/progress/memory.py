@@ -19,8 +19,15 @@ from typing import Any
 
 from ..protocol.lsn import LSN
 from .records import (
-    AppliedPosition, ConflictRecord, MessageRecord, OriginRecord, Position, PreparedHeader,
-    Progress, SkippedTransaction, TableName,
+    AppliedPosition,
+    ConflictRecord,
+    MessageRecord,
+    OriginRecord,
+    Position,
+    PreparedHeader,
+    Progress,
+    SkippedTransaction,
+    TableName,
 )
 from .store import TableState, Writer, sync_lsns
 
@@ -150,7 +157,7 @@ class MemoryStore:
         self._write(lambda state: state.chunks.setdefault((self.slot, xid), {}).__setitem__(seq, data))
 
     def take_prepared(self, xid: int) -> PreparedHeader | None:
-        return self._write(lambda state: state.prepared.pop((self.slot, xid), None))  # type: ignore[no-any-return]
+        return self._write(lambda state: state.prepared.pop((self.slot, xid), None))
 
     def prepared_chunks(self, xid: int, from_seq: int) -> list[tuple[int, bytes]]:
         chunks = self._view().chunks.get((self.slot, xid), {})

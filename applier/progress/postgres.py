@@ -15,8 +15,14 @@ from collections.abc import Sequence
 
 from ..protocol.lsn import LSN
 from .records import (
-    AppliedPosition, ConflictRecord, MessageRecord, OriginRecord, Position, PreparedHeader,
-    SkippedTransaction, TableName,
+    AppliedPosition,
+    ConflictRecord,
+    MessageRecord,
+    OriginRecord,
+    Position,
+    PreparedHeader,
+    SkippedTransaction,
+    TableName,
 )
 from .store import Session, StoreStatement, Writer, sync_lsns
 

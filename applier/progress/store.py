@@ -23,8 +23,15 @@ from typing import Any, Protocol
 from ..errors import ApplierError, Cause
 from ..protocol.lsn import LSN
 from .records import (
-    AppliedPosition, ConflictRecord, MessageRecord, OriginRecord, Position, PreparedHeader,
-    Progress, SkippedTransaction, TableName,
+    AppliedPosition,
+    ConflictRecord,
+    MessageRecord,
+    OriginRecord,
+    Position,
+    PreparedHeader,
+    Progress,
+    SkippedTransaction,
+    TableName,
 )
 
 __all__ = ["ApplyStore", "Bookkeeping", "Result", "Session", "StoreStatement", "SyncIncomplete",

@@ -29,10 +29,30 @@ from ..implementation import accelerator
 from .errors import DecodeError
 from .lsn import LSN, PG_EPOCH, pg_timestamp
 from .messages import (
-    UNCHANGED_TOAST, Begin, BeginPrepare, MessageType, Commit, CommitPrepared, Delete, Insert, Message,
-    Origin, Prepare, Relation, RelationColumn, ReplicationMessage, RollbackPrepared,
-    StreamAbort, StreamCommit, StreamPrepare, StreamStart, StreamStop, Truncate, TupleData,
-    Type, Update,
+    UNCHANGED_TOAST,
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    Delete,
+    Insert,
+    Message,
+    MessageType,
+    Origin,
+    Prepare,
+    Relation,
+    RelationColumn,
+    ReplicationMessage,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
 )
 
 __all__ = ["decode", "decode_pure", "ACCELERATED", "MESSAGE_NAMES"]
@@ -398,7 +418,7 @@ def _accelerated() -> Callable[..., ReplicationMessage] | None:
     # cannot drift from messages.py; on malformed input it calls the fallbacks for the error.
     _speedups.init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST,
                    _insert, _update, _delete, _begin, _commit, decode_pure)
-    return _speedups.decode  # type: ignore[no-any-return]
+    return _speedups.decode
 
 
 #: ``decode(data, in_stream=False)``: ``decode_pure``'s contract, through the C accelerator

@@ -17,8 +17,20 @@ from collections.abc import Callable
 from typing import Final
 
 from .messages import (
-    KIND_BINARY, KIND_NULL, KIND_TEXT, KIND_UNCHANGED, Delete, Insert, Message, Origin, Relation,
-    ReplicationMessage, Truncate, TupleData, Type, Update,
+    KIND_BINARY,
+    KIND_NULL,
+    KIND_TEXT,
+    KIND_UNCHANGED,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Relation,
+    ReplicationMessage,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
 )
 
 __all__ = ["encode", "encode_tuple"]

@@ -5,7 +5,7 @@ Owns the two scalar types every other stage passes around. Pure: no I/O.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 __all__ = ["LSN", "PG_EPOCH", "pg_timestamp", "to_pg_timestamp"]
 
@@ -37,7 +37,7 @@ class LSN(int):
 
 
 #: Timestamps on the wire count microseconds from this instant.
-PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+PG_EPOCH = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 def pg_timestamp(microseconds: int) -> datetime:

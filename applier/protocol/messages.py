@@ -96,7 +96,7 @@ class TupleData:
     size: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "size", sum(len(v) for v in self.values if type(v) is bytes))  # noqa: E721
+        object.__setattr__(self, "size", sum(len(v) for v in self.values if type(v) is bytes))
 
     def is_binary(self, column: int) -> bool:
         return self.kinds[column] == KIND_BINARY

@@ -5,10 +5,14 @@ status updates, and slot administration. Must never decide what is durable: the 
 reports is always the one the worker hands it, never its own guess.
 """
 
-from .options import (
-    StreamOptions, UnsupportedOption, max_protocol_version, options_for, resolve_stream_options,
-)
 from ..errors import SourceError
+from .options import (
+    StreamOptions,
+    UnsupportedOption,
+    max_protocol_version,
+    options_for,
+    resolve_stream_options,
+)
 from .stream import ReplicationStream, XLogData
 
 __all__ = ["ReplicationStream", "SourceError", "XLogData", "StreamOptions", "UnsupportedOption",

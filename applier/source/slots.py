@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
 import psycopg
 
+from ..errors import Cause, SourceError, cause_of
 from ..protocol.lsn import LSN
 from ..queries import rows
-from ..errors import Cause, SourceError, cause_of
 
 __all__ = ["SlotInfo", "slot_info", "create_slot", "publications_missing"]
 

@@ -26,7 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
 from ..errors import Cause, SourceError, cause_of, cause_of_sqlstate
-from ..libpq import Binding
+from ..libpq import Binding, pointer
 from ..protocol.lsn import LSN, PG_EPOCH
 from ..quoting import ident
 from .options import StreamOptions
@@ -97,7 +97,7 @@ def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
     params["options"] = f"{params['options']} {session}" if params.get("options") else session
     params["replication"] = "database"
     params.setdefault("application_name", "applier")
-    return make_conninfo(**params)
+    return make_conninfo("", **params)
 
 
 def classify(exc: psycopg.Error) -> SourceError:
@@ -192,8 +192,9 @@ class ReplicationStream:
             message = (result.error_message.decode(errors="replace").strip() if result else "")
             sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
             state = sqlstate.decode() if sqlstate else None
-            raise SourceError(f"source: START_REPLICATION failed: {message or pgconn.error_message.decode(errors='replace')}",
-                              cause=_cause(state), sqlstate=state)
+            reason = message or pgconn.error_message.decode(errors="replace")
+            raise SourceError(f"source: START_REPLICATION failed: {reason}", cause=_cause(state),
+                              sqlstate=state)
         pgconn.nonblocking = 1
         self._last_status = time.monotonic()
 
@@ -309,8 +310,8 @@ class ReplicationStream:
         frames = _frames_binding.get(pgconn)
         if frames is None:
             return lambda batch, limit: _take_frames_python(pgconn, batch, limit)
-        pointer = pgconn.pgconn_ptr
-        return lambda batch, limit: frames.take(pointer, batch, limit)
+        address = pointer(pgconn)
+        return lambda batch, limit: frames.take(address, batch, limit)
 
     def _other_frame(self, frame: bytes) -> None:
         """A CopyData frame that is not XLogData: a keepalive, answered at once if it asks."""

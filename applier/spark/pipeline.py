@@ -83,7 +83,8 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
         result = old
     result = result.persist()
     rows = snap.query(f"SELECT count(*) FROM {describe_table(snap, table).qualified}")[0][0]
-    total = result.agg(F.sum("rows")).first()[0] or 0
+    summed = result.agg(F.sum("rows")).first()
+    total = (summed[0] if summed is not None else 0) or 0
     if total != rows:  # an untouched group lost rows: deletes or moves the changed rows hide
         result.unpersist()
         return None

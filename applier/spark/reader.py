@@ -207,7 +207,7 @@ class Snapshot:
         return ("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY; "
                 f"SET TRANSACTION SNAPSHOT '{self.snapshot_id}'")
 
-    def query(self, statement: str | sql.Composable,
+    def query(self, statement: str | sql.SQL | sql.Composed,
               params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
         if self._conn.closed:
             raise RuntimeError(f"snapshot {self.snapshot_id} is closed")

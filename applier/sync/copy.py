@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import psycopg
 
 from ..errors import ApplierError, Cause, cause_of
+from ..progress.bookkeeping import SqlBookkeeping
 from ..quoting import ident
 from .indexes import drop_indexes, rebuild_indexes
 from .progress import CopyProgress
 from .relay import relay
 from .snapshot import ExportedSnapshot, source_session
-from ..progress.bookkeeping import SqlBookkeeping
 from .target import TargetPlan, build_secondary_indexes, target_session
 
 __all__ = ["CopyFailed", "CopyStopped", "CopyTask", "plan_tasks", "source_copy_sql", "copy_tables"]
@@ -191,8 +191,8 @@ def copy_tables(source_dsn: str, target_dsn: str, slot: str, snapshot: ExportedS
                 tasks: list[CopyTask], jobs: int, progress: CopyProgress, client_encoding: str,
                 stop_requested: threading.Event) -> None:
     """Run ``tasks`` on ``jobs`` sessions, marking each table done (with the snapshot's consistent
-    point as its sync LSN) once all its ranges are in. The first failure stops the other sessions (their open COPYs are cancelled) and is raised;
-    tables finished before it stay done.
+    point as its sync LSN) once all its ranges are in. The first failure stops the other sessions
+    (their open COPYs are cancelled) and is raised; tables finished before it stay done.
     """
     copier = _Copier(source_dsn, target_dsn, slot, snapshot, tasks, progress, client_encoding)
     threads = [threading.Thread(target=copier.run_session, args=(n,), name=f"sync-{n}", daemon=True)

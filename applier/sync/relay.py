@@ -17,7 +17,7 @@ import psycopg
 from psycopg import pq
 from psycopg.errors import error_from_result
 
-from ..libpq import Binding
+from ..libpq import Binding, pointer
 
 __all__ = ["accelerated", "relay"]
 
@@ -74,7 +74,7 @@ def _relay_c(c_relay: ModuleType, source: psycopg.Connection, target: psycopg.Co
              on_bytes: Callable[[int], None]) -> int:
     source_pq, target_pq = source.pgconn, target.pgconn
     while True:
-        state, moved = c_relay.relay(source_pq.pgconn_ptr, target_pq.pgconn_ptr, REPORT_BYTES)
+        state, moved = c_relay.relay(pointer(source_pq), pointer(target_pq), REPORT_BYTES)
         on_bytes(moved)
         if state == _MORE:
             continue
@@ -89,7 +89,7 @@ def _copy_out_rows(c_relay: ModuleType, source: psycopg.Connection) -> int:
     pgconn = source.pgconn
     result = pgconn.get_result()
     while True:  # to ReadyForQuery, which leaves the session idle in its transaction
-        if not c_relay.wait_result(pgconn.pgconn_ptr):
+        if not c_relay.wait_result(pointer(pgconn)):
             raise psycopg.OperationalError(f"COPY relay: {_error_message(source)}")
         if pgconn.get_result() is None:
             break

@@ -26,6 +26,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 
 from ..config import Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
+from ..exit_codes import ExitCode
 from ..preflight import PreflightFailed, check_sync
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
@@ -62,21 +63,21 @@ class Syncer:
     def __init__(self, settings: Settings) -> None:
         settings.require("source", "target", "slot", "publication")
         self.settings = settings
-        self.slot: str = settings.slot
+        self.slot = settings.required("slot")
         self.stop_requested = threading.Event()
 
     def run(self) -> bool:
         """Copy what still needs copying; False when stopped by a signal before the end."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        engine = make_engine(self.settings.target)
-        lock = WorkerLock(self.settings.target, self.slot)
+        engine = make_engine(self.settings.required("target"))
+        lock = WorkerLock(self.settings.required("target"), self.slot)
         try:
             # Before anything is created: a sync that cannot finish must leave nothing behind.
             self._retrying(self._preflight)
             upgrade_schema(engine)
             lock.acquire()
             log.info("sync for slot %r: source %s, target %s", self.slot,
-                     mask_dsn(self.settings.source), mask_dsn(self.settings.target))
+                     mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             self._retrying(lambda: self._attempt(engine))
             return True
         except CopyStopped:
@@ -103,7 +104,7 @@ class Syncer:
 
     def _preflight(self) -> None:
         settings = self.settings
-        problems = check_sync(settings.source, settings.target, slot=self.slot,
+        problems = check_sync(settings.required("source"), settings.required("target"), slot=self.slot,
                               publications=settings.publication,
                               create_tables=bool(settings.create_tables))
         if problems:
@@ -111,9 +112,9 @@ class Syncer:
 
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings
-        target = target_session(settings.target, "applier sync")
+        target = target_session(settings.required("target"), "applier sync")
         encoding = target.info.parameter_status("server_encoding") or "UTF8"
-        control = source_session(settings.source, encoding, "applier sync control")
+        control = source_session(settings.required("source"), encoding, "applier sync control")
         try:
             # The preflight checked the publications and the slot's plugin.
             fresh = slot_info(control, self.slot) is None
@@ -136,7 +137,7 @@ class Syncer:
             block_size = int(control.execute("SELECT pg_catalog.current_setting('block_size')")
                              .fetchone()[0])  # type: ignore[index]
             snapshot = ExportedSnapshot.create(
-                settings.source, self.slot if fresh else temporary_slot_name(self.slot),
+                settings.required("source"), self.slot if fresh else temporary_slot_name(self.slot),
                 temporary=not fresh, two_phase=bool(settings.two_phase) and fresh)
             try:
                 tasks = plan_tasks(plans, settings.range_size, block_size)
@@ -144,9 +145,9 @@ class Syncer:
                          "(consistent point %s), relaying in %s", len(todo), len(tasks), settings.jobs,
                          snapshot.name, snapshot.consistent_point,
                          "C" if accelerated(control) else "Python")
-                with CopyProgress(todo, settings.target, interactive=sys.stderr.isatty(),
+                with CopyProgress(todo, settings.required("target"), interactive=sys.stderr.isatty(),
                                   interval=settings.progress_interval) as progress:
-                    copy_tables(settings.source, settings.target, self.slot, snapshot, tasks,
+                    copy_tables(settings.required("source"), settings.required("target"), self.slot, snapshot, tasks,
                                 settings.jobs, progress, encoding, self.stop_requested)
             finally:
                 snapshot.close()
@@ -172,16 +173,16 @@ def run_sync(settings: Settings) -> int:
     """Entry point of ``applier sync``: copy, then continue as ``applier run``."""
     try:
         if not Syncer(settings).run():
-            return 0
+            return ExitCode.OK
     except PreflightFailed as exc:
         count = len(exc.problems)
         log.error("applier sync cannot start (nothing was created); fix %s and run it again:\n%s",
                   "this" if count == 1 else f"these {count} problems", exc)
-        return 1
+        return ExitCode.FAILED
     except Exception as exc:
         if cause_of(exc) is None:
             raise  # not a failure of the servers or the settings: a bug
         # E.g. TRUNCATE of a target table another table's foreign key references.
         log.error("sync failed: %s", " ".join(str(exc).split()))
-        return 1
+        return ExitCode.FAILED
     return run(settings)  # the slot exists now (sync made it); create_slot is off for sync

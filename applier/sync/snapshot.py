@@ -20,9 +20,9 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-from ..quoting import ident
-from ..protocol.lsn import LSN
 from ..errors import Cause, SourceError
+from ..protocol.lsn import LSN
+from ..quoting import ident
 from ..source.stream import classify, replication_conninfo
 
 __all__ = ["ExportedSnapshot", "source_session", "temporary_slot_name"]
@@ -37,7 +37,7 @@ def source_session(dsn: str, client_encoding: str, application_name: str) -> psy
     params = conninfo_to_dict(replication_conninfo(dsn, client_encoding))
     del params["replication"]
     params["application_name"] = application_name
-    conn = psycopg.connect(make_conninfo(**params), autocommit=True)
+    conn = psycopg.connect(make_conninfo("", **params), autocommit=True)
     conn.execute("SELECT pg_catalog.set_config('search_path', '', false)")
     return conn
 

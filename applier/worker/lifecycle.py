@@ -38,6 +38,7 @@ from ..apply.skipping import describe_request
 from ..assembler.buffer import default_spill_dir
 from ..config import ConfigError, Settings, mask_dsn
 from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decide
+from ..exit_codes import ExitCode
 from ..headstart import HeadStart
 from ..ops.metrics import Telemetry
 from ..progress.bookkeeping import SqlBookkeeping
@@ -80,7 +81,7 @@ class Worker:
         # The stream ``applier run`` started before loading the worker: the first session takes
         # it if it would have started the same one (headstart.py).
         self._head_start = head_start
-        self.slot: str = settings.slot
+        self.slot = settings.required("slot")
         self.stop_requested = False
         self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
         self._engine: Engine | None = None
@@ -94,22 +95,22 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        lock = WorkerLock(self.settings.target, self.slot)
+        lock = WorkerLock(self.settings.required("target"), self.slot)
         try:
             self.telemetry.start()
-            engine = self._engine = make_engine(self.settings.target)
+            engine = self._engine = make_engine(self.settings.required("target"))
             self._with_retry(lambda: upgrade_schema(engine))
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
-                     mask_dsn(self.settings.source), mask_dsn(self.settings.target))
+                     mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             if self.settings.skip_lsn is not None:
                 self._with_retry(self._request_skip)
             _tune_gc()
             self._with_retry(self._session)
-            return 0
+            return ExitCode.OK
         except StopRequested:
             log.info("stopped on signal")
-            return 0
+            return ExitCode.OK
         finally:
             if self._head_start is not None:
                 self._head_start.close()
@@ -121,6 +122,7 @@ class Worker:
     def _request_skip(self) -> None:
         assert self._engine is not None
         lsn = self.settings.skip_lsn
+        assert lsn is not None
         try:
             with self._engine.begin() as conn:
                 previous = SqlBookkeeping(conn).request_skip(self.slot, lsn)
@@ -151,10 +153,14 @@ class Worker:
         self._failures_without_progress += 1
         return min(30.0, 0.5 * 2 ** (self._failures_without_progress - 1))
 
+    def _sleep(self, seconds: float) -> None:
+        """The backoff's sleep, cut short by SIGTERM or SIGINT."""
+        self._stopping.wait(seconds)
+
     def _with_retry(self, func: Callable[[], object]) -> None:
         retrying = Retrying(retry=retry_if_exception(lambda exc: decide(exc) is not Directive.STOP),
                             stop=stop_never, wait=self._backoff, reraise=True,
-                            before_sleep=_log_retry, sleep=self._stopping.wait)
+                            before_sleep=_log_retry, sleep=self._sleep)
         for attempt in retrying:
             with attempt:
                 if self.stop_requested:
@@ -198,4 +204,4 @@ def run(settings: Settings, head_start: HeadStart | None = None) -> int:
         if cause_of(exc) is None:
             raise  # not a failure of the servers, the stream or the settings: a bug
         log.error("%s", exc)
-        return 1
+        return ExitCode.FAILED

@@ -28,9 +28,9 @@ from ..assembler import Assembler
 from ..config import ConfigError, Settings
 from ..errors import ApplyError, Cause, SourceError
 from ..ingest.gate import IngestGate
+from ..preflight import check_source
 from ..protocol.lsn import LSN
 from ..source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
-from ..preflight import check_source
 from ..source.slots import create_slot, slot_info
 from ..source.stream import classify
 from .loop import CaughtUp, StreamLoop
@@ -68,7 +68,7 @@ class ReplicationSession:
                  stop_requested: Callable[[], bool], warn: Callable[[str], None],
                  spill_dir: Path) -> None:
         self.settings = settings
-        self.slot: str = settings.slot
+        self.slot = settings.required("slot")
         self.state = state
         self.engine = engine
         self.telemetry = telemetry
@@ -82,7 +82,7 @@ class ReplicationSession:
         settings, state = self.settings, self.state
         target = self._target_session()
         try:
-            control = psycopg.connect(settings.source, autocommit=True, application_name="applier control")
+            control = psycopg.connect(settings.required("source"), autocommit=True, application_name="applier control")
         except psycopg.Error as exc:
             target.close()
             raise classify(exc) from exc
@@ -176,7 +176,7 @@ class ReplicationSession:
 
     def _target_session(self, role: str | None = None) -> TargetSession:
         name = f"applier {self.slot}" + (f" ({role})" if role else "")
-        return TargetSession(self.settings.target, application_name=name,
+        return TargetSession(self.settings.required("target"), application_name=name,
                              synchronous_commit=self.settings.synchronous_commit)
 
     def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
@@ -207,7 +207,7 @@ class ReplicationSession:
             stream = self.head_start.take(options, start_lsn, encoding)
             if stream is not None:
                 return stream, self.head_start.source_position
-        stream = ReplicationStream(self.settings.source, self.slot, options,
+        stream = ReplicationStream(self.settings.required("source"), self.slot, options,
                                    status_interval=self.settings.status_interval,
                                    client_encoding=encoding)
         stream.connect()

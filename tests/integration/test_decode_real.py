@@ -15,7 +15,6 @@ anything on a slot: the tests that check peek rely on the slots staying where th
 from __future__ import annotations
 
 import importlib
-
 import json
 import subprocess
 import sys
@@ -33,9 +32,24 @@ import pytest
 from applier import libpq
 from applier.cli import main as cli_main
 from applier.protocol import (
-    LSN, Begin, BeginPrepare, Commit, CommitPrepared, Insert, Prepare, Relation,
-    ReplicationMessage, RollbackPrepared, StreamAbort, StreamCommit, StreamPrepare, StreamStart,
-    StreamStop, Truncate, TupleData, decode,
+    LSN,
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    Insert,
+    Prepare,
+    Relation,
+    ReplicationMessage,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    decode,
 )
 from applier.source import ReplicationStream, max_protocol_version, resolve_stream_options
 from applier.source import stream as stream_module

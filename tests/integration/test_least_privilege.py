@@ -10,7 +10,6 @@ from collections.abc import Iterator
 
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from replication import REPO, assert_same_rows, run_worker
 
 pytestmark = pytest.mark.server
@@ -31,7 +30,7 @@ class RoleDb:
     def __init__(self, db, role: str) -> None:
         self.db, self.dsn = db, as_role(db.dsn, role)
 
-    def __getattr__(self, name: str):  # noqa: ANN204 - everything else is the admin database
+    def __getattr__(self, name: str):
         return getattr(self.db, name)
 
 

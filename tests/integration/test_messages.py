@@ -4,7 +4,6 @@ changes; non-transactional ones at once; prefix filter; log sink; streamed and p
 from __future__ import annotations
 
 import pytest
-
 from replication import create_slot, prepare_on_source, run_worker
 
 pytestmark = pytest.mark.server

@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from replication import REPO, create_slot, start_worker, stop_worker, wait_for
 
 pytestmark = pytest.mark.server

@@ -12,11 +12,17 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from conftest import drop_replication_origins
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from replication import (
-    REPO, assert_same_rows, create_slot, rows, run_worker, start_worker, stop_worker, wait_for,
+    REPO,
+    assert_same_rows,
+    create_slot,
+    rows,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
 )
 
 pytestmark = pytest.mark.server

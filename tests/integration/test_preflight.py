@@ -17,10 +17,10 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from replication import REPO, replicated_table, run_worker, wait_for
 
 from applier.embedded import Database, PostgresServer, ServerSettings, start_server
 from applier.preflight import check_source
-from replication import REPO, replicated_table, run_worker, wait_for
 
 pytestmark = pytest.mark.server
 

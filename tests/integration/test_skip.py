@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from replication import REPO, create_slot, prepare_on_source, run_worker
 
 pytestmark = pytest.mark.server

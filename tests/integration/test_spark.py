@@ -63,7 +63,7 @@ def test_partitioned_read_equals_sql_read(spark, target_db) -> None:
     for got, want in zip(spark_rows, sql_rows):
         assert got[:4] == want[:4] and got[4] == want[4] and got[6] == want[6]
         assert got[5].timestamp() == want[5].timestamp()  # the same instant
-        assert got[7] == '{"g": %d}' % want[0] and bytes(got[8]) == bytes(want[8])
+        assert got[7] == f'{{"g": {want[0]}}}' and bytes(got[8]) == bytes(want[8])
     assert word_rows == sorted(target_db.query("SELECT w, n FROM words"))
     assert [f.dataType.simpleString() for f in orders.schema.fields] == [
         "bigint", "int", "decimal(12,2)", "string", "array<string>", "timestamp", "date", "string",
@@ -158,7 +158,8 @@ INSERT INTO tricky VALUES
   '2024-02-29', '12:34:56.789', '12:00+02', '101', 12.5, 'happy', '1 day 02:03:04', '[1,5)', 'NaN'),
  (2, 'NaN', -1.99, 2.25, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 'Infinity'),
  (3, 'Infinity', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, '-Infinity'),
- (4, 0.000000000000000000000000001, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, '-0');
+ (4, 0.000000000000000000000000001, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+  NULL, NULL, NULL, '-0');
 """
 
 

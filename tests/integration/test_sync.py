@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pytest
+from replication import REPO, assert_same_rows, run_worker, wait_for
 
 from applier.protocol import LSN
-from replication import REPO, assert_same_rows, run_worker, wait_for
 
 pytestmark = pytest.mark.server
 

@@ -14,10 +14,15 @@ from pathlib import Path
 
 import psycopg
 import pytest
-
 from replication import (
-    assert_same_rows, create_slot, kill_worker, prepare_on_source, run_worker, start_worker,
-    stop_worker, wait_for,
+    assert_same_rows,
+    create_slot,
+    kill_worker,
+    prepare_on_source,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
 )
 
 pytestmark = pytest.mark.server

@@ -10,12 +10,11 @@ import os
 import re
 
 import pytest
+from replication import create_slot, run_worker
 
 from applier.cli import parse_settings
 from applier.exit_codes import ExitCode
 from applier.verify import run_verify
-
-from replication import create_slot, run_worker
 
 pytestmark = pytest.mark.server
 
@@ -28,7 +27,8 @@ CREATE TABLE filtered (id int PRIMARY KEY, region text, secret text);
 """
 
 DATA = """
-INSERT INTO items SELECT g, 'item ' || g, g * 1.5, ARRAY['a', g::text], '2024-01-01 00:00+00'::timestamptz + g * interval '1 hour'
+INSERT INTO items SELECT g, 'item ' || g, g * 1.5, ARRAY['a', g::text],
+                         '2024-01-01 00:00+00'::timestamptz + g * interval '1 hour'
 FROM generate_series(1, 3000) g;
 INSERT INTO items VALUES (3001, NULL, 'NaN', '{}', 'infinity');
 INSERT INTO pairs SELECT 'k' || (g % 50), g, jsonb_build_object('g', g) FROM generate_series(1, 500) g;

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from replication import assert_same_rows, create_slot, run_worker
 
 from applier.apply.lane import core as stream_lane

@@ -11,9 +11,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
-
 from replication import (
-    assert_same_rows, create_slot, replicated_table, run_worker, start_worker, stop_worker, wait_for,
+    assert_same_rows,
+    create_slot,
+    replicated_table,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
 )
 
 pytestmark = pytest.mark.server

@@ -8,13 +8,21 @@ import threading
 from pathlib import Path
 
 import pytest
-from replication import REPO, create_slot, replicated_table, start_worker, stop_worker, wait_for, worker_command
+from replication import (
+    REPO,
+    create_slot,
+    replicated_table,
+    start_worker,
+    stop_worker,
+    wait_for,
+    worker_command,
+)
 
 from applier.apply.target import TargetSession
 from applier.apply.transaction import TargetTransaction
+from applier.progress.lock import WorkerLock
 from applier.progress.postgres import PostgresApplyStore
 from applier.progress.records import AppliedPosition
-from applier.progress.lock import WorkerLock
 from applier.progress.schema import SCHEMA_HEAD, make_engine, upgrade_schema
 from applier.protocol.lsn import LSN
 

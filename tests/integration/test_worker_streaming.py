@@ -7,7 +7,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-
 from replication import assert_same_rows, create_slot, run_worker, start_worker, stop_worker, wait_for
 
 pytestmark = pytest.mark.server

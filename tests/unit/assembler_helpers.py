@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from applier.assembler import Assembler, TransactionEnd, TransactionStart
 from applier.protocol import decode, to_pg_timestamp
 
-T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 T0_WIRE = to_pg_timestamp(T0)
 
 

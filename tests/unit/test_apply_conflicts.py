@@ -4,15 +4,14 @@ target answers "no row changed" where a test wants a conflict."""
 from __future__ import annotations
 
 import pytest
+from fake_target import relation, rig
+from test_apply_dispatch import _row, insert, transaction
 
 from applier.apply.conflicts import ConflictHandler
 from applier.apply.handlers import default_handlers
 from applier.errors import ApplyError, Cause, Directive, decide
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import Delete, Update
-
-from fake_target import relation, rig
-from test_apply_dispatch import _row, insert, transaction
 
 
 def _policy(policy: str, **per_table: str):  # type: ignore[no-untyped-def]

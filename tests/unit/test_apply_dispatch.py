@@ -4,18 +4,17 @@ records and reports."""
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
+from fake_target import FakeTarget, Rig, relation, rig, table
 
 from applier.assembler import TransactionEnd, TransactionStart
 from applier.errors import ApplyError, Cause, Directive, decide
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import Delete, Insert, Origin, Truncate, TupleData, Update
 
-from fake_target import FakeTarget, Rig, relation, rig, table
-
-T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
 def _row(*values: bytes | None) -> TupleData:

@@ -4,6 +4,8 @@ fake session beside the main one, sharing the in-memory store's committed state.
 from __future__ import annotations
 
 import pytest
+from fake_target import FakeTarget, Rig, relation, rig, table
+from test_apply_dispatch import T0, insert, transaction
 
 from applier.apply.build import second_applier
 from applier.apply.streaming import StreamingApply
@@ -11,9 +13,6 @@ from applier.assembler import TransactionEnd, TransactionStart
 from applier.errors import ApplyError, Cause, Directive, decide
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import Message
-
-from fake_target import FakeTarget, Rig, relation, rig, table
-from test_apply_dispatch import T0, insert, transaction
 
 
 def _early(r: Rig) -> tuple[StreamingApply, list[FakeTarget], set[int]]:

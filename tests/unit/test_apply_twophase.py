@@ -5,15 +5,14 @@ a prepare seen again after a restart is not applied twice."""
 from __future__ import annotations
 
 import pytest
+from fake_target import Rig, relation, rig
+from test_apply_dispatch import T0, insert, transaction
 
 from applier.apply.handlers import default_handlers
 from applier.apply.twophase import TwoPhase, target_gid
 from applier.assembler import TransactionEnd, TransactionStart
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import CommitPrepared, RollbackPrepared
-
-from fake_target import Rig, relation, rig
-from test_apply_dispatch import T0, insert, transaction
 
 
 def _two_phase(mode: str):  # type: ignore[no-untyped-def]

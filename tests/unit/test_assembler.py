@@ -5,17 +5,44 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from assembler_helpers import (
+    T0,
+    RecordingSink,
+    begin,
+    begin_prepare,
+    commit,
+    commit_prepared,
+    delete,
+    feed,
+    insert,
+    message,
+    origin,
+    prepare,
+    relation,
+    rollback_prepared,
+    stream_abort,
+    stream_commit,
+    stream_prepare,
+    stream_start,
+    stream_stop,
+    truncate,
+    type_,
+    update,
+)
 
 from applier.assembler import Assembler, ProtocolSequenceError, TransactionEnd, TransactionStart
 from applier.assembler.assembler import HEARTBEAT_EVERY, REPLAY_CHUNK
 from applier.protocol import (
-    LSN, Delete, Insert, Message, Origin, Relation, Truncate, Type, Update, decode,
-)
-
-from assembler_helpers import (
-    T0, RecordingSink, begin, begin_prepare, commit, commit_prepared, delete, feed, insert,
-    message, origin, prepare, relation, rollback_prepared, stream_abort, stream_commit,
-    stream_prepare, stream_start, stream_stop, truncate, type_, update,
+    LSN,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Relation,
+    Truncate,
+    Type,
+    Update,
+    decode,
 )
 
 BUDGET = 1 << 20
@@ -485,11 +512,11 @@ class RecordingEarly:
         self.calls.append(("changes", tuple(values)) if self.take else ("declined", tuple(values)))
         return self.take
 
-    def change(self, msg) -> bool:  # noqa: ANN001
+    def change(self, msg) -> bool:
         self.calls.append(("change" if self.take else "declined", type(msg).__name__))
         return self.take
 
-    def schema(self, msg) -> None:  # noqa: ANN001
+    def schema(self, msg) -> None:
         self.calls.append(("schema", type(msg).__name__))
 
     def subtransaction(self, subxid: int) -> None:

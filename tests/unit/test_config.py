@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from applier.config import (
-    ConfigError, OPTIONS, Settings, example_config, load_settings, mask_dsn, options_for, parse_size,
+    OPTIONS,
+    ConfigError,
+    Settings,
+    example_config,
+    load_settings,
+    mask_dsn,
+    options_for,
+    parse_size,
 )
 from applier.units import format_size
 

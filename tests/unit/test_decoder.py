@@ -7,16 +7,39 @@ same objects and the same errors from each. No server needed.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
-
-import pytest
+from datetime import UTC, datetime, timedelta, timezone
 
 import pgoutput_builder as pg
+import pytest
+
 from applier.protocol import (
-    LSN, UNCHANGED_TOAST, Begin, BeginPrepare, Commit, CommitPrepared, DecodeError, Delete, Insert,
-    Message, Origin, Prepare, Relation, RelationColumn, RollbackPrepared, StreamAbort,
-    StreamCommit, StreamPrepare, StreamStart, StreamStop, Truncate, TupleData, Type, Update, decode,
-    pg_timestamp, to_pg_timestamp,
+    LSN,
+    UNCHANGED_TOAST,
+    Begin,
+    BeginPrepare,
+    Commit,
+    CommitPrepared,
+    DecodeError,
+    Delete,
+    Insert,
+    Message,
+    Origin,
+    Prepare,
+    Relation,
+    RelationColumn,
+    RollbackPrepared,
+    StreamAbort,
+    StreamCommit,
+    StreamPrepare,
+    StreamStart,
+    StreamStop,
+    Truncate,
+    TupleData,
+    Type,
+    Update,
+    decode,
+    pg_timestamp,
+    to_pg_timestamp,
 )
 from applier.protocol.decoder import ACCELERATED, decode_pure
 
@@ -29,7 +52,7 @@ IMPLS = [
 ]
 
 T0 = 767_356_496_123_456  # 2024-04-25 10:34:56.123456 UTC, in wire microseconds
-T0_DT = datetime(2024, 4, 25, 10, 34, 56, 123456, tzinfo=timezone.utc)
+T0_DT = datetime(2024, 4, 25, 10, 34, 56, 123456, tzinfo=UTC)
 LSN1, LSN2 = 0x16B374D848, 0x16B374D9A0
 
 
@@ -57,9 +80,9 @@ def test_lsn_prints_and_parses() -> None:
 
 
 def test_timestamps_count_from_2000_utc() -> None:
-    assert pg_timestamp(0) == datetime(2000, 1, 1, tzinfo=timezone.utc)
+    assert pg_timestamp(0) == datetime(2000, 1, 1, tzinfo=UTC)
     assert pg_timestamp(T0) == T0_DT
-    assert pg_timestamp(-1) == datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)
+    assert pg_timestamp(-1) == datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)
     assert to_pg_timestamp(T0_DT) == T0
     assert to_pg_timestamp(T0_DT.astimezone(timezone(timedelta(hours=3)))) == T0
 
@@ -69,8 +92,8 @@ def test_timestamps_count_from_2000_utc() -> None:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("micros,moment", [
-    (T0, T0_DT), (0, datetime(2000, 1, 1, tzinfo=timezone.utc)),
-    (-1, datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc))])
+    (T0, T0_DT), (0, datetime(2000, 1, 1, tzinfo=UTC)),
+    (-1, datetime(1999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC))])
 def test_begin(impl: Decode, micros: int, moment: datetime) -> None:
     msg = impl(pg.begin(LSN1, micros, 4_000_000_000), False)
     assert msg == Begin(LSN(LSN1), moment, 4_000_000_000)

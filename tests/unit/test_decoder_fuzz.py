@@ -6,11 +6,11 @@ the same object, or DecodeErrors with the same message type, offset and reason.
 
 from __future__ import annotations
 
+import pgoutput_builder as pg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pgoutput_builder as pg
 from applier.protocol import UNCHANGED_TOAST, DecodeError
 from applier.protocol.decoder import ACCELERATED, decode, decode_pure
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pgoutput_builder as pg
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import pgoutput_builder as pg
 from applier.protocol import decode
 from applier.protocol.encoder import encode
 

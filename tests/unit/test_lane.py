@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import random
 
+import pgoutput_builder as pg
 import pytest
 
 from applier.apply.batch import Batch
 from applier.apply.copy import copy_binary, copy_text_pure
 from applier.apply.fastpath import LaneRoom
-from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.apply.lane import core
+from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.decoder import decode_pure
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
-
-import pgoutput_builder as pg
 
 #: Without its C core (no compiler at install, or APPLIER_PURE_PYTHON=1) there is no lane to test:
 #: the ordinary path does all the work, and the integration tests run it with and without the

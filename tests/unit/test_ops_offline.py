@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from applier.ops.reference import REFERENCE_PATH, config_reference, reference_bl
 from applier.protocol.lsn import LSN
 
 REPO = Path(__file__).resolve().parents[2]
-NOW = datetime(2025, 1, 1, 12, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def test_lag_counts_only_unhandled_wal() -> None:

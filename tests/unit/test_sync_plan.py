@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from applier.apply.sync_filter import SyncFilter
 from applier.protocol import LSN
 from applier.sync.catalog import PublishedTable
 from applier.sync.copy import CopyTask, plan_tasks, source_copy_sql
-from applier.apply.sync_filter import SyncFilter
 from applier.sync.target import TargetPlan
 
 BLOCK = 8192

@@ -261,9 +261,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("truncate_target", "applier sync empties target tables that are not empty before "
            "copying into them, instead of refusing to start.", kind="bool", default=False,
            commands=("sync",)),
-    Option("progress_interval", "Seconds between copy progress log lines of applier sync when "
+    Option("progress_interval", "Seconds between progress log lines: what run (and sync once it "
+           "streams) applied meanwhile, while it has work; and the copy of applier sync when "
            "stderr is not a terminal (a terminal gets a live display).", kind="int", default=10,
-           metavar="SECONDS", commands=("sync",)),
+           metavar="SECONDS", commands=("run", "sync")),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR.", default="INFO",
            kind="choice", choices=_LOG_LEVELS, commands=("run", "sync", "peek", "status", "skip")),
     Option("log_level", "Logging level: DEBUG, INFO, WARNING, ERROR (this command prints its "

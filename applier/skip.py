@@ -78,7 +78,7 @@ def _slot_problems(settings: Settings) -> list[str]:
     with connect(settings.required("target"), "target") as target:
         if slot_recorded(target, slot):
             return []
-    source = settings.required("source")
+    source = settings.source
     if not source:
         return [f"slot {slot!r} is unknown to the target: no applier.progress or "
                 "applier.table_sync row names it, so no worker has run for it. Check --slot; to "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "parse_size", "readable_size"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -33,3 +33,12 @@ def format_size(size: int) -> str:
         if size and size % factor == 0:
             return f"{size // factor}{name}"
     return f"{size}B"
+
+
+def readable_size(nbytes: float) -> str:
+    """Bytes for a person, to one decimal: ``812 B``, ``12.3 MB``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if nbytes < 1024 or unit == "GB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from ..config import parse_conflict_policies
 from .conflicts import ConflictHandler
 from .messages import MessageSink
-from .origins import OriginTag, OriginTracker, default_origin_name, tag_session
+from .origins import (
+    OriginTag,
+    OriginTracker,
+    default_origin_name,
+    existing_origin,
+    legacy_origin_name,
+    tag_session,
+)
 from .skipping import SkipRequests
 from .target import TargetSession
 from .transaction import TargetTransaction
@@ -80,7 +87,12 @@ def tag_with_origin(session: TargetSession, slot: str, replication_origin: str |
     """Probe the target and tag the session with the worker's replication origin (done before
     the store is made: its progress write also sets the origin's position when tagged)."""
     info = probe_target(session)
-    name = replication_origin or default_origin_name(slot, info.database)
+    name = replication_origin
+    if name is None:
+        name = default_origin_name(slot, info.database)
+        legacy = legacy_origin_name(slot, info.database)
+        if legacy != name:
+            name = existing_origin(session, (legacy,)) or name
     return tag_session(session, None if name.lower() == "none" else name, warn), info
 
 

@@ -37,7 +37,8 @@ from ..progress.store import ApplyStore
 from ..protocol.lsn import LSN
 from .target import TargetSession
 
-__all__ = ["OriginTag", "OriginTracker", "default_origin_name", "tag_session"]
+__all__ = ["OriginTag", "OriginTracker", "default_origin_name", "existing_origin",
+           "legacy_origin_name", "tag_session"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,14 @@ _IN_USE = {"55006", "55000"}
 
 
 def default_origin_name(slot: str, database: str) -> str:
+    """``applier_<slot>_<database>``; a slot already named ``applier_...`` is not prefixed twice."""
+    prefix = "" if slot.startswith("applier_") else "applier_"
+    return f"{prefix}{slot}_{database}"
+
+
+def legacy_origin_name(slot: str, database: str) -> str:
+    """The name versions before 0.2 gave the origin of a slot named ``applier_...``, kept by a
+    target that has it (its id tells this worker's rows from others')."""
     return f"applier_{slot}_{database}"
 
 
@@ -66,6 +75,14 @@ def _scalar(session: TargetSession, sql: str, *values: str) -> str | None:
         return None
     value = result.get_value(0, 0)
     return None if value is None else value.decode()
+
+
+def existing_origin(session: TargetSession, names: Iterable[str]) -> str | None:
+    """The first of ``names`` that is a replication origin on the target."""
+    for name in names:
+        if _scalar(session, "SELECT pg_catalog.pg_replication_origin_oid($1)", name) is not None:
+            return name
+    return None
 
 
 def tag_session(session: TargetSession, name: str | None, warn: Callable[[str], None]) -> OriginTag:

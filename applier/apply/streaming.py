@@ -111,9 +111,19 @@ class StreamingApply:
     # -- EarlyApply ----------------------------------------------------------------------------
     def open(self, xid: int) -> bool:
         main = self.main
-        if (self._xid is not None or xid in self._refused
-                or (main.sync_filter is not None and main.sync_filter.active)
-                or main.handlers.skips.lsn is not None or not self._start()):
+        reason = None
+        if self._xid is not None:
+            reason = f"streamed transaction {self._xid} is being applied as it streams"
+        elif xid in self._refused:
+            reason = "an earlier attempt to apply it as it streams had to give up"
+        elif main.sync_filter is not None and main.sync_filter.active:
+            reason = "an initial copy may still hold some of its changes"
+        elif main.handlers.skips.lsn is not None:
+            reason = "a skip request is pending"
+        elif not self._start():
+            reason = "no second target session"
+        if reason is not None:
+            log.info("streamed transaction %d is buffered and applied at its commit: %s", xid, reason)
             return False
         self._xid = xid
         if not self._take_over():

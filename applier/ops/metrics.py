@@ -27,6 +27,7 @@ from ..errors import SourceError
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
+from ..source.slots import slot_info
 from .lag import Lag, LagLimit, measure_lag
 from .logs import set_log_context
 from .observed import Probe
@@ -72,6 +73,7 @@ class Telemetry:
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
+        self._connections: list[Connection | None] = [None, None]  # the probe's: source, target
 
     @classmethod
     def from_settings(cls, settings: Settings, slot: str) -> Telemetry:
@@ -93,6 +95,8 @@ class Telemetry:
             raise ConfigError(f"metrics_port: cannot listen on {self.address}:{self.port}: "
                               f"{exc.strerror or exc}") from None
         self._server.daemon_threads = True
+        # The first probe before the first scrape: the lag gauges exist, and are right, at once.
+        self._probe_step()
         self._threads = [threading.Thread(target=self._server.serve_forever, name="applier-metrics",
                                           daemon=True),
                          threading.Thread(target=self._probe_loop, name="applier-probe", daemon=True)]
@@ -190,41 +194,48 @@ class Telemetry:
 
     # -- probe thread ---------------------------------------------------------------------------
     def _probe_loop(self) -> None:
-        source: Connection | None = None
-        target: Connection | None = None
-        while not self._stopping.is_set():
-            try:
-                if source is None:
-                    source = make_engine(self._source_dsn).connect()
-                if target is None:
-                    target = make_engine(self._target_dsn).connect()
-                self._probe = self._probe_once(source, target)
-            except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                self._probe = Probe(time.monotonic(), None, None, None, None, mask_dsn(reason))
-                for conn in (source, target):
-                    if conn is not None:
-                        try:
-                            conn.close()
-                        except Exception:  # noqa: BLE001 - it is being discarded anyway
-                            pass
-                source = target = None
-            self._stopping.wait(self.probe_interval)
-        for conn in (source, target):
+        while not self._stopping.wait(self.probe_interval):
+            self._probe_step()
+        for conn in self._connections:
             if conn is not None:
                 conn.close()
+
+    def _probe_step(self) -> None:
+        """One probe over the probe's own connections (made again after any failure)."""
+        source, target = self._connections
+        try:
+            if source is None:
+                source = self._connections[0] = make_engine(self._source_dsn).connect()
+            if target is None:
+                target = self._connections[1] = make_engine(self._target_dsn).connect()
+            self._probe = self._probe_once(source, target)
+        except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._probe = Probe(time.monotonic(), None, None, None, None, mask_dsn(reason))
+            for conn in (source, target):
+                if conn is not None:
+                    try:
+                        conn.close()
+                    except Exception:  # noqa: BLE001 - it is being discarded anyway
+                        pass
+            self._connections = [None, None]
 
     def _probe_once(self, source: Connection, target: Connection) -> Probe:
         started = time.perf_counter()
         _, source_lsn = source_wal_position(source)
-        source.rollback()  # end the implicit transaction: the next probe sees new WAL
         source_rtt = time.perf_counter() - started
+        # What the slot has confirmed counts as handled (WAL of other tables, or before a new
+        # replica's first transaction), as in applier status.
+        slot = slot_info(source, self.slot)
+        source.rollback()  # end the implicit transaction: the next probe sees new WAL
         started = time.perf_counter()
         progress = SqlBookkeeping(target).progress(self.slot)
         target.rollback()
         target_rtt = time.perf_counter() - started
         stream = self._stream
-        lag = measure_lag(source_lsn, done_position(progress, stream.flush_lsn if stream else None),
+        confirmed = max(stream.flush_lsn if stream else LSN(0),
+                        slot.confirmed_flush_lsn if slot and slot.confirmed_flush_lsn else LSN(0))
+        lag = measure_lag(source_lsn, done_position(progress, LSN(confirmed)),
                           progress.commit_time if progress else None, datetime.now(UTC))
         return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +34,7 @@ from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
+from ..units import readable_size
 from .lag import Lag, measure_lag
 
 __all__ = ["StatusReport", "source_wal_position", "done_position", "status", "collect_status",
@@ -51,7 +52,7 @@ class StatusReport:
     slot: SlotInfo | None
     retained_wal_bytes: int | None
     progress: Progress | None
-    lag: Lag
+    lag: Lag | None  # None without a slot: nothing measures how far it is behind
     max_lag: str | None
     lag_exceeded: bool
     prepared_transactions: list[dict[str, Any]]
@@ -99,13 +100,14 @@ def collect_status(settings: Settings) -> StatusReport:
         store = SqlBookkeeping(target)
         tables = store.tables()
         progress = store.progress(slot_name) if "progress" in tables else None
-        prepared = _prepared_on_target(target) + store.deferred_prepared(slot_name)
-        table_sync = ([dict(row) for row in store.rows("table_sync", slot_name)]
+        prepared = [_with_lsns(p) for p in _prepared_on_target(target)
+                    + store.deferred_prepared(slot_name)]
+        table_sync = ([_with_lsns(row) for row in store.rows("table_sync", slot_name)]
                       if "table_sync" in tables else None)
         conflicts = store.count_by_kind("conflicts", slot_name) if "conflicts" in tables else None
         skipped = (store.count_by_kind("skipped_transactions", slot_name)
                    if "skipped_transactions" in tables else None)
-        origins = ([dict(row) for row in store.rows("origins", slot_name)]
+        origins = ([_with_lsns(row) for row in store.rows("origins", slot_name)]
                    if "origins" in tables else None)
     notes: list[str] = []
     if slot is None:
@@ -115,15 +117,16 @@ def collect_status(settings: Settings) -> StatusReport:
                      f"DSN connects to {database!r}")
     if progress is None:
         notes.append("nothing applied yet for this slot on the target")
-    lag = measure_lag(wal_lsn, done_position(progress, slot.confirmed_flush_lsn if slot else None),
-                      progress.commit_time if progress else None, datetime.now(UTC))
+    lag = None if slot is None else measure_lag(
+        wal_lsn, done_position(progress, slot.confirmed_flush_lsn),
+        progress.commit_time if progress else None, datetime.now(UTC))
     spill_dir = settings.spill_dir or default_spill_dir(slot_name)
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,
         retained_wal_bytes=(max(0, int(wal_lsn) - int(slot.restart_lsn))
                             if slot and slot.restart_lsn is not None else None),
         progress=progress, lag=lag, max_lag=limit.text if limit else None,
-        lag_exceeded=bool(limit and limit.exceeded_by(lag)), prepared_transactions=prepared,
+        lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
@@ -140,6 +143,13 @@ def _reading(side: str, dsn: str) -> Iterator[Connection]:
     except DBAPIError as exc:
         reason = str(exc.orig).strip() if exc.orig is not None else str(exc)
         raise StatusError(f"cannot read the {side} ({mask_dsn(dsn)}): {mask_dsn(reason)}") from exc
+
+
+def _with_lsns(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A bookkeeping row with its ``*_lsn`` values as LSNs: every LSN of the report prints in one
+    style, whatever the server version wrote."""
+    return {name: LSN.parse(value) if name.endswith("_lsn") and isinstance(value, str) else value
+            for name, value in row.items()}
 
 
 def _prepared_on_target(conn: Connection) -> list[dict[str, Any]]:
@@ -185,10 +195,22 @@ def _jsonable(value: Any) -> Any:
 def _size(n: int | None) -> str:
     if n is None:
         return "unknown"
-    for unit, factor in (("GB", 1024**3), ("MB", 1024**2), ("kB", 1024)):
-        if n >= factor:
-            return f"{n / factor:.1f} {unit} ({n} bytes)"
-    return f"{n} bytes"
+    return f"{readable_size(n)} ({n} bytes)" if n >= 1024 else f"{n} bytes"
+
+
+def _table_sync_line(row: Mapping[str, Any]) -> str:
+    """``public.orders: copied at 0/1A2B3C4D: 200000 rows, 12.3 MB, in 4.2 s`` (or copying)."""
+    name = f"{row.get('schema_name')}.{row.get('table_name')}"
+    if row.get("state") != "done":
+        started = row.get("started_at")
+        return f"{name}: copying" + (f" since {_jsonable(started)}" if started else "")
+    text = f"{name}: copied at {row.get('sync_lsn')}"
+    if row.get("rows_copied") is not None:
+        text += f": {row['rows_copied']} rows, {_size(row.get('bytes_copied')).split(' (')[0]}"
+    started, finished = row.get("started_at"), row.get("finished_at")
+    if isinstance(started, datetime) and isinstance(finished, datetime):
+        text += f", in {(finished - started).total_seconds():.1f} s"
+    return text
 
 
 def render_table(report: StatusReport) -> str:
@@ -212,9 +234,12 @@ def render_table(report: StatusReport) -> str:
         rows += [("last applied commit LSN", f"{progress.commit_lsn} (end {progress.end_lsn})"),
                  ("last applied commit time", progress.commit_time.isoformat() if progress.commit_time else "unknown"),
                  ("applied at", progress.applied_at.isoformat() if progress.applied_at else "unknown")]
-    seconds = "unknown" if report.lag.seconds is None else f"{report.lag.seconds:.1f} s"
-    lag = f"{_size(report.lag.bytes)}, {seconds}"
-    if report.max_lag:
+    if report.lag is None:
+        lag = "unknown: the slot is missing"
+    else:
+        seconds = "unknown" if report.lag.seconds is None else f"{report.lag.seconds:.1f} s"
+        lag = f"{_size(report.lag.bytes)}, {seconds}"
+    if report.max_lag and report.lag is not None:
         lag += f" ({'EXCEEDS' if report.lag_exceeded else 'within'} --max-lag {report.max_lag})"
     rows.append(("apply lag", lag))
     rows.append(("pending prepared transactions", str(len(report.prepared_transactions))
@@ -229,8 +254,7 @@ def render_table(report: StatusReport) -> str:
             f"\n  '{row['origin_name']}': origin LSN {row['origin_lsn']}" for row in report.origins)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
-            "\n  " + " ".join(f"{k}={_jsonable(v)}" for k, v in row.items() if k != "slot_name")
-            for row in report.table_sync)))
+            f"\n  {_table_sync_line(row)}" for row in report.table_sync)))
     spill = ("no spill directory on this machine" if report.spill_bytes is None
              else _size(report.spill_bytes))
     rows.append(("spill", f"{spill} in {report.spill_dir}"))

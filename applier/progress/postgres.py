@@ -28,20 +28,23 @@ from .store import Session, StoreStatement, Writer, sync_lsns
 
 __all__ = ["PostgresApplyStore", "encode_lsn"]
 
+#: ``applied_at`` is the clock when the progress row is written, the last statement before COMMIT
+#: (``now()`` would be the target transaction's start, which a batch opens before the source
+#: commits of the transactions it later takes).
 _PROGRESS_UPSERT = (
     "ON CONFLICT (slot_name) DO UPDATE SET commit_lsn = EXCLUDED.commit_lsn, "
     "end_lsn = EXCLUDED.end_lsn, commit_time = EXCLUDED.commit_time, applied_at = EXCLUDED.applied_at")
 _PROGRESS = (
     "INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, applied_at) "
     "VALUES ($1, $2::pg_catalog.pg_lsn, $3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz, "
-    "pg_catalog.now()) " + _PROGRESS_UPSERT)
+    "pg_catalog.clock_timestamp()) " + _PROGRESS_UPSERT)
 #: The same upsert, plus pg_replication_origin_xact_setup(end LSN, commit time) in the same round
 #: trip, when the session is tagged with a replication origin (``apply.origins``).
 _PROGRESS_WITH_ORIGIN = (
     "INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, applied_at) "
     "SELECT $1, $2::pg_catalog.pg_lsn, $3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz, "
-    "pg_catalog.now() FROM pg_catalog.pg_replication_origin_xact_setup($3::pg_catalog.pg_lsn, "
-    "$4::pg_catalog.timestamptz) " + _PROGRESS_UPSERT)
+    "pg_catalog.clock_timestamp() FROM pg_catalog.pg_replication_origin_xact_setup("
+    "$3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz) " + _PROGRESS_UPSERT)
 _POSITION = "SELECT commit_lsn::text, end_lsn::text FROM applier.progress WHERE slot_name = $1"
 _TOUCH = "UPDATE applier.progress SET applied_at = applied_at WHERE slot_name = $1"
 
@@ -50,7 +53,7 @@ _ORIGIN = StoreStatement(
     "INSERT INTO applier.origins AS o (slot_name, origin_name, origin_lsn, commit_lsn, "
     "commit_time, applied_at) VALUES ($1, $2, NULLIF($3::pg_catalog.pg_lsn, "
     "'0/0'::pg_catalog.pg_lsn), $4::pg_catalog.pg_lsn, $5::pg_catalog.timestamptz, "
-    "pg_catalog.now()) ON CONFLICT (slot_name, origin_name) DO UPDATE SET "
+    "pg_catalog.clock_timestamp()) ON CONFLICT (slot_name, origin_name) DO UPDATE SET "
     "origin_lsn = COALESCE(EXCLUDED.origin_lsn, o.origin_lsn), "
     "commit_lsn = EXCLUDED.commit_lsn, commit_time = EXCLUDED.commit_time, "
     "transactions = o.transactions + 1, applied_at = EXCLUDED.applied_at")

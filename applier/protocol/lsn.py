@@ -30,7 +30,8 @@ class LSN(int):
         return cls((hi << 32) | lo)
 
     def __str__(self) -> str:
-        return f"{int(self) >> 32:X}/{int(self) & 0xFFFFFFFF:08X}"
+        """As PostgreSQL prints a pg_lsn: ``%X/%X``, no padding (``0/4E63920``)."""
+        return f"{int(self) >> 32:X}/{int(self) & 0xFFFFFFFF:X}"
 
     def __repr__(self) -> str:
         return f"LSN('{self}')"

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from ..units import readable_size
 from .catalog import PublishedTable
 
 __all__ = ["CopyProgress"]
@@ -134,11 +135,11 @@ class CopyProgress:
         share = f"{100 * rows / expected:5.1f}%" if expected else "  ?  %"
         eta = (_duration((expected - rows) / rate) if expected and rate > 0 and not final else "-")
         overall = (f"{rows:,} of ~{expected:,} rows" if expected is not None else f"{rows:,} rows")
-        overall += f", {_size(nbytes)}, {rate:,.0f} rows/s"
+        overall += f", {readable_size(nbytes)}, {rate:,.0f} rows/s"
         if self._interactive:
             width = 30
             filled = int(width * min(rows / expected, 1.0)) if expected else 0
-            lines = [f"  {label[:40]:40} {r:>12,} rows {_size(b):>9} {r / max(s, 1e-9):>10,.0f} rows/s"
+            lines = [f"  {label[:40]:40} {r:>12,} rows {readable_size(b):>9} {r / max(s, 1e-9):>10,.0f} rows/s"
                      for label, r, b, s in active]
             lines.append(f"[{'#' * filled}{'.' * (width - filled)}] {share} {overall}, ETA {eta}")
             up = f"\x1b[{self._drawn_lines}F" if self._drawn_lines else ""
@@ -146,17 +147,9 @@ class CopyProgress:
             sys.stderr.flush()
             self._drawn_lines = len(lines)
         elif not final:
-            copying = "; ".join(f"{label} {r:,} rows {_size(b)}" for label, r, b, _ in active[:5])
+            copying = "; ".join(f"{label} {r:,} rows {readable_size(b)}" for label, r, b, _ in active[:5])
             log.info("copy progress: %s %s, ETA %s%s", share.strip(), overall, eta,
                      f"; copying {copying}" if copying else "")
-
-
-def _size(nbytes: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if nbytes < 1024 or unit == "GB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.1f} {unit}"
-        nbytes /= 1024
-    raise AssertionError
 
 
 def _duration(seconds: float) -> str:

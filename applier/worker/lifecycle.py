@@ -116,8 +116,19 @@ class Worker:
                 self._head_start.close()
             self.telemetry.close()
             lock.release()
+            self._remove_spill_dir()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _remove_spill_dir(self) -> None:
+        """The per-slot spill directory this worker made goes with it (its files are gone with
+        their transactions; a crash leaves them, and the next start removes them). A directory
+        given with --spill-dir is the operator's: it stays."""
+        if self.settings.spill_dir is None:
+            try:
+                self.spill_dir.rmdir()
+            except OSError:
+                pass  # not there, or not empty (another process's files): leave it
 
     def _request_skip(self) -> None:
         assert self._engine is not None

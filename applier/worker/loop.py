@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +24,9 @@ from ..progress.flush import FlushTracker
 from ..protocol.lsn import LSN
 from ..source import ReplicationStream
 from ..source.slots import slot_info
+from ..units import readable_size
 
-__all__ = ["CaughtUp", "StopRequested", "StreamLoop"]
+__all__ = ["CaughtUp", "ProgressLog", "StopRequested", "StreamLoop"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class StreamLoop:
     def __init__(self, stream: ReplicationStream, assembler: Assembler, applier: Applier,
                  gate: IngestGate, control: psycopg.Connection, slot: str,
                  flushed_wal_lsn: Callable[[], LSN], caught_up: CaughtUp | None,
-                 stop_requested: Callable[[], bool]) -> None:
+                 stop_requested: Callable[[], bool], progress_interval: float = 10.0) -> None:
         self.stream = stream
         self.assembler = assembler
         self.applier = applier
@@ -59,6 +61,7 @@ class StreamLoop:
         # The last of those that a durable rewrite of the progress row could not flush (no row to
         # rewrite: removed by hand?): they are left to the WAL writer, as before every pause.
         self._rewrite_failed_for: LSN | None = None
+        self.progress = ProgressLog(applier.counts, progress_interval)
 
     def committed(self, end_lsn: LSN, target_lsn: LSN | None) -> None:
         """A target commit covering source ``end_lsn`` (the apply stage's ``on_commit``)."""
@@ -88,6 +91,7 @@ class StreamLoop:
             batch = stream.read_batch(timeout=0 if pause_settles or past_goal
                                       else 0.05 if waiting else 0.5)
             self.gate.feed(batch)
+            self.progress.maybe_log(stream)
             # A streamed transaction may stay open on the source for as long as it likes: what
             # committed meanwhile is committed here the moment the stream pauses all the same.
             if not batch and applier.holds_uncommitted and assembler.between_transactions:
@@ -138,3 +142,30 @@ class StreamLoop:
             time.sleep(0.05)
             stream.send_status()
         return False
+
+
+class ProgressLog:
+    """A log line every ``interval`` seconds while work is done: what was applied meanwhile, and
+    how far the slot's confirmed position is behind what the source last said it had written."""
+
+    def __init__(self, counts: Counter[str], interval: float) -> None:
+        self.counts = counts
+        self.interval = interval
+        self._last = Counter(counts)
+        self._at = time.monotonic()
+
+    def maybe_log(self, stream: ReplicationStream) -> None:
+        now = time.monotonic()
+        if now - self._at < self.interval:
+            return
+        done = self.counts - self._last
+        if done["transactions"] or done["streamed_early"]:
+            behind = max(0, int(stream.keepalive_wal_end) - int(stream.flush_lsn))
+            rows = ", ".join(f"{done[kind]} {kind}" for kind in ("insert", "update", "delete", "truncate")
+                             if done[kind])
+            log.info("applied %d transaction(s) in the last %.0f s (%s); confirmed %s, %s of source "
+                     "WAL after it", done["transactions"], now - self._at, rows or "no rows",
+                     stream.flush_lsn, readable_size(behind))
+            self._last = Counter(self.counts)
+        self._at = now
+

@@ -124,7 +124,8 @@ class ReplicationSession:
                                   early=early)
             flushed = early.flushed_wal_lsn if early is not None else target.flushed_wal_lsn
             loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),
-                              control, self.slot, flushed, state.caught_up, self.stop_requested)
+                              control, self.slot, flushed, state.caught_up, self.stop_requested,
+                              settings.progress_interval)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
                      applied.commit_lsn, options.sql(),

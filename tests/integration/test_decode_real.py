@@ -713,7 +713,7 @@ def test_peek_does_not_consume(src: Source, capsys: pytest.CaptureFixture[str]) 
     # start, except where the walsender sends 0/0 (messages written ahead of another one).
     over_sql = _peek(capsys, src, "--slot", "peek", "--messages", "--sql")
     assert _without_lsn(over_sql) == _without_lsn(first)
-    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] != "0/00000000")
+    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] != "0/0")
     assert _peek(capsys, src, "--slot", "peek", "--limit", "2") == first[:2]
     assert src.confirmed_flush("peek") == confirmed
 

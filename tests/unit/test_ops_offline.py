@@ -98,7 +98,7 @@ def test_json_lines_carry_fields_and_mask_passwords() -> None:
                 context={"slot": "s1", "lsn": LSN(42), "xid": None}, xid=9)
     entry = json.loads(line)
     assert entry["level"] == "WARNING" and entry["logger"] == "applier.test"
-    assert entry["slot"] == "s1" and entry["lsn"] == "0/0000002A" and entry["xid"] == 9
+    assert entry["slot"] == "s1" and entry["lsn"] == "0/2A" and entry["xid"] == 9
     assert "a b" not in entry["message"] and "dbname=x" in entry["message"]
 
 

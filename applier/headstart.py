@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import psycopg
 
 from .config import ConfigError, Settings
+from .connections import connect
 from .errors import SourceError
 from .progress.bookkeeping import SqlBookkeeping
 from .protocol.lsn import LSN
@@ -108,11 +109,11 @@ def start_early(settings: Settings) -> HeadStart | None:
     slot = settings.required("slot")
     stream: ReplicationStream | None = None
     try:
-        with psycopg.connect(settings.required("target"), autocommit=True,
+        with connect(settings.required("target"), autocommit=True,
                              application_name=f"applier {slot} (start)") as target:
             encoding = target.info.parameter_status("server_encoding") or "UTF8"
             applied = SqlBookkeeping(target).position(slot)
-        with psycopg.connect(settings.required("source"), autocommit=True,
+        with connect(settings.required("source"), autocommit=True,
                              application_name="applier control") as control:
             info = slot_info(control, slot)
             version = control.info.server_version

@@ -65,6 +65,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from .config import Settings, mask_dsn
+from .connections import connect
 from .exit_codes import ExitCode
 from .protocol import LSN, DecodeError, decode
 from .protocol.messages import (
@@ -132,7 +133,7 @@ def _one_line(exc: BaseException, dsn: str) -> str:
 def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
     """Check the slot, publications and options, then yield (lsn, message) from the slot."""
     try:
-        conn = psycopg.connect(settings.required("source"), autocommit=True)
+        conn = connect(settings.required("source"), autocommit=True)
     except psycopg.Error as exc:
         raise PeekError(f"cannot connect to the source: {exc}") from None
     with conn:

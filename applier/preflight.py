@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from . import connections
 from .errors import ApplierError, Cause, Directive, decide
 from .progress.bookkeeping import SqlBookkeeping
 from .quoting import ident
@@ -56,7 +57,7 @@ def connect(dsn: str, side: str) -> psycopg.Connection[Any]:
     database, pg_hba.conf), and the psycopg error itself when it can (a refused connection).
     """
     try:
-        return psycopg.connect(dsn, autocommit=True, application_name="applier preflight")
+        return connections.connect(dsn, autocommit=True, application_name="applier preflight")
     except psycopg.OperationalError as exc:
         if decide(exc, side=side) is not Directive.STOP:
             raise

@@ -36,6 +36,7 @@ import psycopg
 from psycopg import sql
 
 from .config import Settings
+from .connections import connect
 from .exit_codes import ExitCode
 from .spark.session import SparkUnavailable
 
@@ -127,7 +128,7 @@ class Snapshots:
 
 def _connect(dsn: str, side: str) -> psycopg.Connection[Any]:
     try:
-        conn = psycopg.connect(dsn, application_name="applier verify")
+        conn = connect(dsn, application_name="applier verify")
     except psycopg.Error as exc:
         raise VerifyError(f"cannot connect to the {side}: {exc}") from exc
     conn.execute(_TEXT_SETTINGS)

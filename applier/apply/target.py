@@ -19,6 +19,7 @@ from typing import Protocol
 import psycopg
 from psycopg import pq
 
+from ..connections import connect
 from ..errors import Cause, TargetError, cause_of, cause_of_sqlstate
 from ..protocol.lsn import LSN
 from .pipeline import Pipeline
@@ -46,7 +47,7 @@ def _lost(what: str, message: str) -> TargetError:
 class TargetSession:
     def __init__(self, dsn: str, application_name: str, synchronous_commit: str = "on") -> None:
         try:
-            self.conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
+            self.conn = connect(dsn, autocommit=True, application_name=application_name)
         except psycopg.OperationalError as exc:
             # Authentication and a missing database need an operator; anything else may pass.
             raise TargetError(f"target: cannot connect: {str(exc).strip()}", sqlstate=exc.sqlstate,

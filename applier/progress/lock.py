@@ -11,7 +11,8 @@ import zlib
 
 import psycopg
 
-from ..errors import ApplierError, Cause
+from ..connections import connect
+from ..errors import ApplierError, Cause, TargetError
 from .schema import LOCK_NAMESPACE
 
 __all__ = ["AlreadyRunning", "WorkerLock"]
@@ -31,9 +32,11 @@ class WorkerLock:
         self.dsn = dsn
         self.slot = slot
         self._conn: psycopg.Connection | None = None
+        #: The target backend that held the lock for this worker, once it had it.
+        self._backend_pid: int | None = None
 
     def acquire(self) -> None:
-        conn = psycopg.connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
+        conn = connect(self.dsn, autocommit=True, application_name=f"applier lock {self.slot}")
         key = self._key()
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_NAMESPACE, key)).fetchone()
         if not got or not got[0]:
@@ -43,10 +46,29 @@ class WorkerLock:
                 "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
                 (LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
             conn.close()
+            if holder and holder[0] == self._backend_pid:
+                # This worker's own lock session, whose connection was lost, has not ended yet.
+                raise TargetError(f"target: the lock of slot {self.slot!r} is still held by this "
+                                  f"worker's lost session (backend pid {holder[0]})",
+                                  cause=Cause.BUSY)
             who = f" (target backend pid {holder[0]}, {holder[1]!r})" if holder else ""
             raise AlreadyRunning(f"another applier worker is already running for slot {self.slot!r} "
                                  f"on this target{who}; stop it first")
         self._conn = conn
+        self._backend_pid = conn.info.backend_pid
+
+    def ensure(self) -> None:
+        """Still hold the lock: after its connection was lost (a target restart, a network cut),
+        take it again, unless another worker took it meanwhile (``AlreadyRunning``)."""
+        conn = self._conn
+        if conn is not None and not conn.closed:
+            try:
+                conn.execute("SELECT 1")
+                return
+            except psycopg.Error:
+                conn.close()
+        self._conn = None
+        self.acquire()
 
     def release(self) -> None:
         if self._conn is not None:

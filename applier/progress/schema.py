@@ -12,6 +12,7 @@ import sqlalchemy.exc
 from sqlalchemy import Connection, Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
+from ..connections import connect
 from ..errors import ApplierError, Cause, TargetError, cause_of
 
 __all__ = ["LOCK_NAMESPACE", "MIGRATIONS_DIR", "SCHEMA_HEAD", "SchemaError", "make_engine",
@@ -39,7 +40,7 @@ class SchemaError(ApplierError):
 
 def make_engine(dsn: str) -> Engine:
     """SQLAlchemy engine over psycopg 3 for a libpq DSN in either URL or key=value form."""
-    return create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(dsn),
+    return create_engine("postgresql+psycopg://", creator=lambda: connect(dsn),
                          poolclass=NullPool)
 
 

@@ -25,6 +25,7 @@ from psycopg import pq
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_fixed
 
+from ..connections import with_liveness
 from ..errors import Cause, SourceError, cause_of, cause_of_sqlstate
 from ..libpq import Binding, pointer
 from ..protocol.lsn import LSN, PG_EPOCH
@@ -44,6 +45,9 @@ _STATUS = struct.Struct(">cQQQQB")
 #: interval applies only when nothing moved): the slot releases WAL, and its confirmed position
 #: (what operators watch) follows the apply closely, as with PostgreSQL's own subscriber.
 PROGRESS_REPORT_INTERVAL = 1.0
+#: Seconds without anything from the server after which the stream is taken for dead (half of it
+#: without anything: a reply is asked for). PostgreSQL's wal_receiver_timeout defaults to this.
+RECEIVE_TIMEOUT = 60.0
 #: Most XLogData messages ``read_batch`` returns at once (the caller's stop and commit checks
 #: run between batches).
 READ_BATCH = 256
@@ -97,7 +101,7 @@ def replication_conninfo(dsn: str, client_encoding: str = "UTF8") -> str:
     params["options"] = f"{params['options']} {session}" if params.get("options") else session
     params["replication"] = "database"
     params.setdefault("application_name", "applier")
-    return make_conninfo("", **params)
+    return with_liveness(make_conninfo("", **params))
 
 
 def classify(exc: psycopg.Error) -> SourceError:
@@ -130,6 +134,10 @@ class ReplicationStream:
         self._ended = False            # the server ended the stream after the last batch
         self.last_start = 0            # WAL start of the last payload read_batch returned
         self._take: _TakeFrames | None = None  # the frame taker of the open connection
+        #: When the server was last heard from (data or keepalive), and whether a reply was
+        #: asked for since (see ``RECEIVE_TIMEOUT``).
+        self._heard = time.monotonic()
+        self._pinged = False
 
     # -- connection ---------------------------------------------------------------------------
     def connect(self) -> psycopg.Connection:
@@ -175,6 +183,7 @@ class ReplicationStream:
                 self._start(start_lsn)
 
     def _start(self, start_lsn: LSN) -> None:
+        self._heard, self._pinged = time.monotonic(), False
         self.flush_lsn = max(self.flush_lsn, start_lsn)
         self.received_lsn = max(self.received_lsn, start_lsn)
         command = (f"START_REPLICATION SLOT {ident(self.slot)} LOGICAL {start_lsn} "
@@ -241,6 +250,8 @@ class ReplicationStream:
             while True:
                 outcome, nbytes, start, frame = take(batch, limit)
                 received += nbytes
+                if nbytes:
+                    self._heard, self._pinged = time.monotonic(), False
                 if start >= 0:
                     self.last_start = start
                 if outcome == _LIMIT:
@@ -269,6 +280,7 @@ class ReplicationStream:
                 if readable:
                     pgconn.consume_input()
                     continue
+                self._check_heard(time.monotonic())
                 if remaining <= 0:
                     return batch
                 self.send_status_if_due()
@@ -276,6 +288,19 @@ class ReplicationStream:
             self.bytes_received += received
             if batch:
                 self._received(self.last_start)
+
+    def _check_heard(self, now: float) -> None:
+        """Like PostgreSQL's wal_receiver_timeout: a server silent for half of RECEIVE_TIMEOUT is
+        asked for a reply; silent for all of it, the connection is taken for dead (a server or a
+        path that hangs while keeping TCP alive)."""
+        silent = now - self._heard
+        if silent > RECEIVE_TIMEOUT:
+            raise SourceError(f"source: nothing received for {silent:.0f} s, not even a keepalive "
+                              "asked for: the replication connection is taken for dead",
+                              cause=Cause.LOST_CONNECTION)
+        if silent > RECEIVE_TIMEOUT / 2 and not self._pinged:
+            self.send_status(reply_requested=True)
+            self._pinged = True
 
     def receive_ahead(self, budget: int, wake_fd: int) -> int:
         """Read what the server sends into libpq's input buffer, unparsed, until ``budget``

@@ -62,6 +62,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
+from ..connections import connect
 from .session import JDBC_DRIVER
 
 if TYPE_CHECKING:
@@ -236,7 +237,7 @@ def open_snapshot(dsn: str, *, slot: str | None = None) -> Snapshot:
     none); by default every row is reported (normally there is one). A database without
     ``applier.progress`` (a source, say) reports no slot positions, only its WAL position.
     """
-    conn = psycopg.connect(dsn, application_name="applier spark snapshot")
+    conn = connect(dsn, application_name="applier spark snapshot")
     try:
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 
+from ..connections import connect
 from ..units import readable_size
 from .catalog import PublishedTable
 
@@ -90,7 +91,7 @@ class CopyProgress:
     def _report_loop(self) -> None:
         conn: psycopg.Connection | None = None
         try:
-            conn = psycopg.connect(self._target_dsn, autocommit=True, application_name="applier sync progress")
+            conn = connect(self._target_dsn, autocommit=True, application_name="applier sync progress")
             while not self._stop.wait(self._interval):
                 self._poll(conn)
                 self._show()

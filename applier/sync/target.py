@@ -16,6 +16,7 @@ import psycopg
 from sqlalchemy import Connection, Engine
 
 from ..apply.mapping import MissingTargetTable, TargetTable, reflect_table
+from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..quoting import ident
 from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
@@ -43,7 +44,7 @@ class TargetPlan:
 def target_session(dsn: str, application_name: str) -> psycopg.Connection:
     """A target connection set up as the apply session is: replica role (user triggers and foreign
     keys stay quiet, as in the stream's apply), empty search_path, ISO dates."""
-    conn = psycopg.connect(dsn, autocommit=True, application_name=application_name)
+    conn = connect(dsn, autocommit=True, application_name=application_name)
     for setting in ("SET session_replication_role = replica",
                     "SELECT pg_catalog.set_config('search_path', '', false)",
                     "SET datestyle = ISO", "SET intervalstyle = postgres"):

@@ -85,6 +85,7 @@ class Worker:
         self.stop_requested = False
         self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
         self._engine: Engine | None = None
+        self._lock: WorkerLock | None = None
         self._state = SessionState()
         self._failures_without_progress = 0
         self._stopping = threading.Event()
@@ -95,7 +96,7 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        lock = WorkerLock(self.settings.required("target"), self.slot)
+        lock = self._lock = WorkerLock(self.settings.required("target"), self.slot)
         try:
             self.telemetry.start()
             engine = self._engine = make_engine(self.settings.required("target"))
@@ -179,7 +180,8 @@ class Worker:
                 func()
 
     def _session(self) -> None:
-        assert self._engine is not None
+        assert self._engine is not None and self._lock is not None
+        self._lock.ensure()  # a lost lock connection (a target restart) is taken again first
         session = ReplicationSession(self.settings, self._state, self._engine, self.telemetry,
                                      self._head_start, lambda: self.stop_requested,
                                      self._warn_once, self.spill_dir)

@@ -130,6 +130,18 @@ class StreamLoop:
                 return
         raise StopRequested()
 
+    def confirm_durable(self) -> None:
+        """The session ends: make every commit that returned durable and confirm it (the slot
+        then holds nothing the target has; without the target, what it reports flushed)."""
+        if not self.unflushed:
+            return
+        if self.applier.tx.make_durable():
+            confirmed = self.unflushed.all_durable()
+        else:
+            confirmed = self.unflushed.flushed(self.flushed_wal_lsn())
+        if confirmed is not None:
+            self.stream.confirm(confirmed)
+
     def _slot_confirmed(self, caught_up: CaughtUp) -> bool:
         """Report the confirmed position and wait (briefly) until the slot shows the goal."""
         stream = self.stream

@@ -26,6 +26,7 @@ from ..apply.streaming import StreamingApply
 from ..apply.target import TargetSession
 from ..assembler import Assembler
 from ..config import ConfigError, Settings
+from ..connections import connect
 from ..errors import ApplyError, Cause, SourceError
 from ..ingest.gate import IngestGate
 from ..preflight import check_source
@@ -82,7 +83,8 @@ class ReplicationSession:
         settings, state = self.settings, self.state
         target = self._target_session()
         try:
-            control = psycopg.connect(settings.required("source"), autocommit=True, application_name="applier control")
+            control = connect(settings.required("source"), autocommit=True,
+                              application_name="applier control")
         except psycopg.Error as exc:
             target.close()
             raise classify(exc) from exc
@@ -151,6 +153,8 @@ class ReplicationSession:
                 steps.append(applier.abort_open_transaction)
             if assembler is not None:
                 steps.append(assembler.close)
+            if loop is not None:
+                steps.append(loop.confirm_durable)
             if stream is not None:
                 steps += [stream.send_status, stream.close]
             if applier is not None:

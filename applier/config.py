@@ -228,6 +228,16 @@ OPTIONS: tuple[Option, ...] = (
            "applied at its commit instead, the source sending it again). commit: buffered "
            "(spilled beyond --memory-budget) and applied at its commit.",
            kind="choice", choices=("early", "commit"), default="early"),
+    Option("schema_changes", "What a source table's changed columns do to the target. follow: "
+           "a column the target lacks is added (nullable, no default; a type that is not built "
+           "in must exist on the target by the same name), a column whose source type now holds "
+           "more is widened along a safe list (smallint, integer, bigint; real, double "
+           "precision; a longer varchar or text; a wider numeric), a column gone from the source "
+           "stays and loses its NOT NULL when it has no default; each change in the target "
+           "transaction of the first row change that needs it, recorded in "
+           "applier.schema_changes. Any other type change stops the worker. error: the worker "
+           "stops at a missing column, as PostgreSQL's subscriber does.",
+           kind="choice", choices=("follow", "error"), default="follow"),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget. Default: a directory per slot under the system temp directory.", kind="path",
            commands=("run", "sync", "status")),
@@ -367,6 +377,7 @@ class Settings:
     timeout: int
     memory_budget: int
     streamed_apply: Literal["early", "commit"]
+    schema_changes: Literal["follow", "error"]
     spill_dir: Path | None
     batch_rows: int
     batch_bytes: int

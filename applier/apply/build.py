@@ -22,6 +22,7 @@ from .fastpath import BatchLimits
 from .handlers import build_handlers, tag_with_origin
 from .mapping import TargetTable
 from .relations import RelationCache
+from .schema import DDL_REFUSED
 from .streaming import LOCK_TIMEOUT
 from .sync_filter import SyncFilter
 from .target import TargetSession
@@ -45,6 +46,7 @@ class ApplyOptions:
     message_sink: str = "table"
     message_prefixes: Sequence[str] = ()
     conflict_policy: Sequence[str] = ()
+    follow_schema: bool = True
 
 
 def main_applier(session: TargetSession, options: ApplyOptions,
@@ -66,7 +68,8 @@ def main_applier(session: TargetSession, options: ApplyOptions,
     # Tables copied by applier sync: their changes from before each copy's LSN are in it.
     sync_filter = SyncFilter(store.table_sync_lsns())
     return Applier(tx, RelationCache(reflect, binary_check=options.binary_check), handlers,
-                   limits=options.limits, careful_until=careful_until, sync_filter=sync_filter)
+                   limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,
+                   follow_schema=options.follow_schema)
 
 
 def second_applier(main: Applier, session: TargetSession,
@@ -84,6 +87,10 @@ def second_applier(main: Applier, session: TargetSession,
                                    origin_xact_setup=tag.name is not None and tag.xact_setup)
     tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
                            track_target_lsn=main.tx.track_target_lsn)
+    # A schema change here would hold the table's lock until the Stream Commit while the main
+    # session waits for it: such a transaction is applied at its commit instead.
+    tx.schema_changes = DDL_REFUSED
     return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check),
                    main.handlers.for_second_session(tx),
-                   limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf))
+                   limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf),
+                   follow_schema=main.schema is not None)

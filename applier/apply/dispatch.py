@@ -45,8 +45,9 @@ from .divert import Discard, Divert
 from .fastpath import BatchLimits, FastPath, LaneRoom
 from .handlers import Handlers
 from .lane import Lane, lane_for
-from .mapping import MappingError
+from .mapping import MappingError, RelationMapping
 from .relations import RelationCache
+from .schema import SchemaFollower, TypeCache
 from .skipping import Skipper
 from .statements import truncate_sql
 from .sync_filter import SyncFilter
@@ -64,10 +65,18 @@ _SKIPPED_ORIGIN = Discard("from a skipped origin")
 class Applier:
     def __init__(self, tx: TargetTransaction, relations: RelationCache, handlers: Handlers, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
-                 sync_filter: SyncFilter | None = None) -> None:
+                 sync_filter: SyncFilter | None = None, follow_schema: bool = False) -> None:
         self.tx = tx
         self.relations = relations
         self.handlers = handlers
+        #: --schema-changes follow: target tables are made to fit the source's Relation messages.
+        self.types = TypeCache()
+        self.schema = SchemaFollower(tx, self.types) if follow_schema else None
+        #: Relations whose target table a schema change in the open target transaction altered:
+        #: read again if it rolls back.
+        self._altered: set[int] = set()
+        self._schema_changes = tx.schema_changes  # how this session makes them, outside 2PC
+        tx.on_end.append(self._transaction_ended)
         self.careful = CarefulPath(tx, relations, handlers.conflicts)
         conflicts = handlers.conflicts
         self.fast = None if limits is None else FastPath(
@@ -113,12 +122,15 @@ class Applier:
             self.fast.abandon()
         self.tx.start(None)
         self._divert = None
+        self.tx.schema_changes = self._schema_changes
         self.tx.rollback()
 
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
         try:
-            self.relations.learn(msg)
+            # A table a schema change in the open transaction altered is known better here than
+            # by reading it on another connection, which does not see the change yet.
+            self.relations.learn(msg, keep_target=msg.relation_id in self._altered)
             self.careful.forget(msg.relation_id)
             if self.fast is not None:
                 self.fast.relation_changed(msg.relation_id)  # queued rows used the old definition
@@ -128,8 +140,30 @@ class Applier:
             raise self._failure(exc) from exc
 
     def type(self, msg: Type) -> None:
-        # Values are cast by the target column's type, found by name; type OIDs are not needed.
-        log.debug("source type %s.%s has OID %d", msg.namespace, msg.name, msg.type_oid)
+        # Values are cast by the target column's type, found by name; a new column of a type that
+        # is not built in is typed by this name (--schema-changes follow).
+        self.types.learn(msg)
+
+    def mapping(self, relation_id: int) -> RelationMapping:
+        """The relation's mapping onto its target table, made to fit first when the source's
+        schema is followed."""
+        relations = self.relations
+        mapping = relations.cached(relation_id)
+        if mapping is not None:
+            return mapping
+        if self.schema is not None:
+            table = relations.target(relation_id)
+            aligned = self.schema.align(relations.relation(relation_id), table,
+                                        relations.previous(relation_id))
+            if aligned is not table:
+                relations.set_target(relation_id, aligned)
+                self._altered.add(relation_id)
+        return relations.mapping(relation_id)
+
+    def _transaction_ended(self, committed: bool) -> None:
+        if not committed:
+            self.relations.forget_all(self._altered)  # the schema change rolled back with it
+        self._altered.clear()
 
     # -- transactions -------------------------------------------------------------------------------
     def begin(self, txn: TransactionStart) -> None:
@@ -178,7 +212,7 @@ class Applier:
             if divert is None or divert.abandonable:
                 if not self._fast:  # in a batch nothing of this transaction was recorded yet
                     try:
-                        tx.sql("ROLLBACK")
+                        tx.rollback()
                     except TargetError as exc:
                         raise self._failure(exc) from exc
                 log.debug("dropping transaction %s from origin %r", tx.current, msg.name)
@@ -288,7 +322,7 @@ class Applier:
         return start if lane is None else lane.take(payloads, start, streamed=True)
 
     def _insert(self, msg: Insert) -> None:
-        mapping = self.relations.mapping(msg.relation_id)
+        mapping = self.mapping(msg.relation_id)
         self.tx.pending["insert"] += 1
         if self._fast:
             self.fast.insert(mapping, msg.new_tuple)  # type: ignore[union-attr]
@@ -296,7 +330,7 @@ class Applier:
             self.careful.insert(mapping, msg)
 
     def _update(self, msg: Update) -> None:
-        mapping = self.relations.mapping(msg.relation_id)
+        mapping = self.mapping(msg.relation_id)
         key_source, key_positions = update_key(mapping, msg)
         if not key_positions:
             raise self.tx.error(f"update on {mapping.table.sql_name} carries no replica identity; "
@@ -309,7 +343,7 @@ class Applier:
             self.careful.update(mapping, msg, key_source, key_positions)
 
     def _delete(self, msg: Delete) -> None:
-        mapping = self.relations.mapping(msg.relation_id)
+        mapping = self.mapping(msg.relation_id)
         self.tx.pending["delete"] += 1
         if self._fast:
             self.fast.delete(mapping, msg.old_tuple)  # type: ignore[union-attr]
@@ -318,7 +352,7 @@ class Applier:
 
     def _truncate(self, msg: Truncate) -> None:
         tables = [(mapping.table.schema, mapping.table.name)
-                  for mapping in map(self.relations.mapping, msg.relation_ids)]
+                  for mapping in map(self.mapping, msg.relation_ids)]
         if not tables:
             return
         if self._fast:
@@ -405,7 +439,7 @@ class Applier:
         if relation_id not in self.relations:
             return False
         try:
-            mapping = self.relations.mapping(relation_id)
+            mapping = self.mapping(relation_id)
         except MappingError:
             return False
         if not mapping.table.independent:

@@ -48,6 +48,9 @@ class TargetColumn:
     generated: bool
     has_equality: bool     # an '=' operator for exactly this type; else rows are matched as text
     type_oid: int = 0      # pg_type OID (0: not known)
+    type_modifier: int = -1  # atttypmod: varchar's length, numeric's precision and scale
+    not_null: bool = False
+    has_default: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +84,7 @@ _COLUMNS_SQL = text("""
     SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
            EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
                    AND o.oprleft = a.atttypid AND o.oprright = a.atttypid),
-           a.atttypid::int8
+           a.atttypid::int8, a.atttypmod, a.attnotnull, a.atthasdef
     FROM pg_catalog.pg_attribute a
     WHERE a.attrelid = :oid AND a.attnum > 0 AND NOT a.attisdropped
     ORDER BY a.attnum
@@ -109,7 +112,8 @@ def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
             f"target table {qualified(schema, name)} does not exist; create it on the target "
             "(same schema-qualified name) and restart")
     oid, partitioned, independent = found
-    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]))
+    columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]),
+                                    int(row[5]), bool(row[6]), bool(row[7]))
                for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
     key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
     return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))

@@ -1,16 +1,18 @@
 """The relations the stream described, and their mappings onto target tables, cached.
 
-Owns the Relation messages seen in this session (by relation id) and the ``RelationMapping`` of
-each onto its target table, read from the target the first time a change needs it and dropped
-whenever a new Relation message describes that relation again (the source schema may have
-changed). With ``binary_check`` (``--binary auto``) a relation whose binary values would not mean
-the same on the target raises ``TextValuesNeeded`` before any of its values is used. Must never
-run a statement on the apply session.
+Owns the Relation messages seen in this session (by relation id, and the one before the latest
+of each, so a schema change can be told from a difference that was always there), the target
+table of each as read from the target (or as a schema change in the open target transaction made
+it), and the ``RelationMapping`` of each onto its table, built the first time a change needs it
+and dropped whenever a new Relation message describes that relation again. With
+``binary_check`` (``--binary auto``) a relation whose binary values would not mean the same on
+the target raises ``TextValuesNeeded`` before any of its values is used. Must never run a
+statement on the apply session.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..errors import Cause, TextValuesNeeded
 from ..protocol.messages import Relation
@@ -32,6 +34,8 @@ class RelationCache:
         #: relation must be binary-safe (``RelationMapping.binary_safe``), else TextValuesNeeded.
         self.binary_check = binary_check
         self._relations: dict[int, Relation] = {}
+        self._previous: dict[int, Relation] = {}
+        self._tables: dict[int, TargetTable] = {}
         self._mappings: dict[int, RelationMapping] = {}
 
     def __contains__(self, relation_id: int) -> bool:
@@ -40,10 +44,29 @@ class RelationCache:
     def get(self, relation_id: int) -> Relation | None:
         return self._relations.get(relation_id)
 
-    def learn(self, msg: Relation) -> None:
-        """A Relation message: the mapping is rebuilt (and the target table read again) on next use."""
+    def previous(self, relation_id: int) -> Relation | None:
+        """The relation's description before the latest one, in this session."""
+        return self._previous.get(relation_id)
+
+    def learn(self, msg: Relation, *, keep_target: bool = False) -> None:
+        """A Relation message: the mapping is rebuilt (and the target table read again, unless
+        ``keep_target``: a schema change not committed yet made it) on next use."""
+        old = self._relations.get(msg.relation_id)
+        if old is not None and old != msg:
+            self._previous[msg.relation_id] = old
         self._relations[msg.relation_id] = msg
         self._mappings.pop(msg.relation_id, None)
+        if not keep_target:
+            self._tables.pop(msg.relation_id, None)
+
+    def forget(self, relation_id: int) -> None:
+        """Drop what was derived for the relation: it is read and built again on next use."""
+        self._tables.pop(relation_id, None)
+        self._mappings.pop(relation_id, None)
+
+    def forget_all(self, relation_ids: Iterable[int]) -> None:
+        for relation_id in relation_ids:
+            self.forget(relation_id)
 
     def restore(self, relation_id: int, relation: Relation | None) -> None:
         """Put back a relation's description after replaying older ones (deferred two-phase)."""
@@ -51,23 +74,43 @@ class RelationCache:
             self.learn(relation)
         else:
             self._relations.pop(relation_id, None)
-            self._mappings.pop(relation_id, None)
+            self.forget(relation_id)
 
     def table_name(self, relation_id: int) -> str | None:
         """``schema.table`` of a known relation (as skip records name tables)."""
         relation = self._relations.get(relation_id)
         return None if relation is None else f"{relation.namespace}.{relation.name}"
 
+    def cached(self, relation_id: int) -> RelationMapping | None:
+        """The relation's mapping if it is built already (the hot path's lookup)."""
+        return self._mappings.get(relation_id)
+
+    def relation(self, relation_id: int) -> Relation:
+        relation = self._relations.get(relation_id)
+        if relation is None:
+            raise UnknownRelation(f"change for relation id {relation_id} before its Relation "
+                                  "message (protocol violation)")
+        return relation
+
+    def target(self, relation_id: int) -> TargetTable:
+        """The relation's target table (``MissingTargetTable`` when there is none)."""
+        table = self._tables.get(relation_id)
+        if table is None:
+            relation = self.relation(relation_id)
+            table = self._tables[relation_id] = self._reflect(relation.namespace, relation.name)
+        return table
+
+    def set_target(self, relation_id: int, table: TargetTable) -> None:
+        """The relation's target table as a schema change made it (not committed yet)."""
+        self._tables[relation_id] = table
+        self._mappings.pop(relation_id, None)
+
     def mapping(self, relation_id: int) -> RelationMapping:
         """The relation's mapping onto its target table; ``MappingError`` when there is none."""
         mapping = self._mappings.get(relation_id)
         if mapping is not None:
             return mapping
-        relation = self._relations.get(relation_id)
-        if relation is None:
-            raise UnknownRelation(f"change for relation id {relation_id} before its Relation "
-                                  "message (protocol violation)")
-        mapping = map_relation(relation, self._reflect(relation.namespace, relation.name))
+        mapping = map_relation(self.relation(relation_id), self.target(relation_id))
         if self.binary_check and not mapping.binary_safe:
             raise TextValuesNeeded(
                 f"the types of {mapping.table.sql_name} differ between source and target or are not "

@@ -49,6 +49,11 @@ class TargetTransaction:
         self.origin: Origin | None = None
         self.counts: Counter[str] = Counter()    # committed on the target
         self.pending: Counter[str] = Counter()   # in the open target transaction
+        #: How a schema change needed now is made (``schema.DDL_*``): inside the open
+        #: transaction, committed on its own before it, or not at all.
+        self.schema_changes = "inline"
+        #: Called with True when the open transaction commits, False when it rolls back.
+        self.on_end: list[Callable[[bool], None]] = []
 
     # -- the source transaction and its error context ---------------------------------------------
     def start(self, txn: TransactionStart | None) -> None:
@@ -114,6 +119,20 @@ class TargetTransaction:
         self.pending.clear()
         if self.session.in_transaction:
             self.session.sql("ROLLBACK")
+        self.ended(False)
+
+    def ended(self, committed: bool) -> None:
+        """The open transaction (or the part of it after a savepoint) is over."""
+        for listener in self.on_end:
+            listener(committed)
+
+    def commit_alone(self) -> None:
+        """Commit the open transaction, which holds no source transaction's position (a schema
+        change made ahead of the transaction that needs it)."""
+        self.session.sql("COMMIT")
+        self.counts.update(self.pending)
+        self.pending.clear()
+        self.ended(True)
 
     def commit(self, position: Position, fault: FailPoint = FailPoint.BEFORE_FEEDBACK) -> None:
         """Record ``position`` in the open transaction, commit it, tell the worker."""
@@ -129,6 +148,7 @@ class TargetTransaction:
         # otherwise be counted twice.
         self.counts.update(self.pending)
         self.pending.clear()
+        self.ended(True)
         if position is None:
             return
         self.applied = AppliedPosition(position.commit_lsn, position.end_lsn)

@@ -62,6 +62,7 @@ from ..protocol.messages import CommitPrepared, Message, Relation, RollbackPrepa
 from .divert import Divert
 from .origins import OriginTracker
 from .relations import RelationCache
+from .schema import DDL_INLINE, DDL_SEPARATELY
 from .skipping import SkipRequests
 from .transaction import TargetTransaction
 
@@ -138,6 +139,10 @@ class TwoPhase:
         tx.begin()
         if self.mode == "defer":
             return _Deferred(self, host, txn)
+        # A schema change inside a transaction prepared on the target would hold the table's
+        # ACCESS EXCLUSIVE lock until COMMIT PREPARED, while later source transactions that
+        # touch the table wait for it: it is made on its own first (schema.DDL_SEPARATELY).
+        tx.schema_changes = DDL_SEPARATELY
         return _Preparing(self, host)
 
     def store_header(self, txn: TransactionEnd, mode: str, changes: int) -> None:
@@ -270,6 +275,7 @@ class _Preparing(Divert):
         log.info("prepared %ssource transaction xid %d (GID %r, prepare LSN %s, %d changes) as "
                  "%r on the target", "streamed " if txn.streamed else "", txn.xid, txn.gid,
                  txn.commit_lsn, self.changes, gid)
+        tx.schema_changes = DDL_INLINE
         tx.begin()
         tx.commit(Position(txn.commit_lsn, txn.end_lsn, txn.commit_time))
 

@@ -55,6 +55,8 @@ class _WorkerCollector(Collector):
         yield counter("applier_streamed_applied_early", "Streamed transactions applied as they "
                       "streamed, in the second target session (--streamed-apply early).",
                       applied["streamed_early"])
+        yield counter("applier_schema_changes", "Changes made to target tables to follow the "
+                      "source's schema (--schema-changes follow).", applied["schema_change"])
         rows = CounterMetricFamily("applier_rows_applied", "Row changes applied, by type "
                                    "(truncate counts statements).", labels=["slot", "type"])
         for kind in ROW_KINDS:

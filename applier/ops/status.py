@@ -60,6 +60,7 @@ class StatusReport:
     conflicts: dict[str, int] | None
     skipped_transactions: dict[str, int] | None
     origins: list[dict[str, Any]] | None
+    schema_changes: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
@@ -109,6 +110,7 @@ def collect_status(settings: Settings) -> StatusReport:
                    if "skipped_transactions" in tables else None)
         origins = ([_with_lsns(row) for row in store.rows("origins", slot_name)]
                    if "origins" in tables else None)
+        schema_changes = [_with_lsns(row) for row in store.schema_changes(slot_name)]
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -128,6 +130,7 @@ def collect_status(settings: Settings) -> StatusReport:
         progress=progress, lag=lag, max_lag=limit.text if limit else None,
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
+        schema_changes=schema_changes,
         spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
 
@@ -252,6 +255,9 @@ def render_table(report: StatusReport) -> str:
     if report.origins:
         rows.append(("origins", f"{len(report.origins)} origin(s)" + "".join(
             f"\n  '{row['origin_name']}': origin LSN {row['origin_lsn']}" for row in report.origins)))
+    if report.schema_changes:
+        rows.append(("schema changes", f"{len(report.schema_changes)} latest" + "".join(
+            f"\n  {_jsonable(c.get('applied_at'))} {c['statement']}" for c in report.schema_changes)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
             f"\n  {_table_sync_line(row)}" for row in report.table_sync)))

@@ -124,6 +124,17 @@ class SqlBookkeeping:
             sql.Identifier(kind), name, self._for_slot(columns)), {"slot": slot})
         return {str(r[0]): int(r[1]) for r in rows}
 
+    def schema_changes(self, slot: str, limit: int = 20) -> list[Mapping[str, Any]]:
+        """The latest schema changes made for the slot, newest first (none before schema 0005)."""
+        if "schema_changes" not in self.tables():
+            return []
+        columns = ("table_schema", "table_name", "kind", "statement", "source_lsn", "applied_at")
+        rows = self._rows(
+            "SELECT table_schema, table_name, kind, statement, source_lsn::text, applied_at "
+            "FROM applier.schema_changes WHERE slot_name = %(slot)s ORDER BY id DESC "
+            "LIMIT %(limit)s", {"slot": slot, "limit": limit})
+        return [dict(zip(columns, row)) for row in rows]
+
     # -- writes --------------------------------------------------------------------------------------
     def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
         position = self._rows("SELECT commit_lsn::text FROM applier.progress "

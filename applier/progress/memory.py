@@ -26,6 +26,7 @@ from .records import (
     Position,
     PreparedHeader,
     Progress,
+    SchemaChange,
     SkippedTransaction,
     TableName,
 )
@@ -40,6 +41,7 @@ class _State:
     origins: dict[tuple[str, str], tuple[OriginRecord, int]] = field(default_factory=dict)
     messages: dict[tuple[str, LSN], MessageRecord] = field(default_factory=dict)
     conflicts: list[tuple[str, ConflictRecord]] = field(default_factory=list)
+    schema_changes: list[tuple[str, SchemaChange]] = field(default_factory=list)
     skip_requests: dict[str, LSN] = field(default_factory=dict)
     skipped: list[tuple[str, SkippedTransaction]] = field(default_factory=list)
     prepared: dict[tuple[str, int], PreparedHeader] = field(default_factory=dict)
@@ -134,6 +136,9 @@ class MemoryStore:
     def record_conflict(self, conflict: ConflictRecord) -> None:
         self._write(lambda state: state.conflicts.append((self.slot, conflict)))
 
+    def record_schema_change(self, change: SchemaChange) -> None:
+        self._write(lambda state: state.schema_changes.append((self.slot, change)))
+
     def skip_request(self) -> LSN | None:
         return self._view().skip_requests.get(self.slot)
 
@@ -219,6 +224,11 @@ class MemoryStore:
                     for (owner, _), (record, count) in sorted(self._committed.origins.items())
                     if owner == slot]
         return []
+
+    def schema_changes(self, slot: str, limit: int = 20) -> list[Mapping[str, Any]]:
+        changes = [c for owner, c in self._committed.schema_changes if owner == slot][::-1][:limit]
+        return [{"table_schema": c.table_schema, "table_name": c.table_name, "kind": c.kind,
+                 "statement": c.statement, "source_lsn": c.source_lsn} for c in changes]
 
     def count_by_kind(self, table: str, slot: str) -> dict[str, int]:
         if table == "conflicts":

@@ -21,6 +21,7 @@ from .records import (
     OriginRecord,
     Position,
     PreparedHeader,
+    SchemaChange,
     SkippedTransaction,
     TableName,
 )
@@ -70,6 +71,11 @@ _CONFLICT = StoreStatement(
     "local_commit_time) VALUES ($1, $2, $3, $4, $5, $6::pg_catalog.int8, $7::pg_catalog.pg_lsn, "
     "$8::pg_catalog.jsonb, $9::pg_catalog.jsonb, $10::pg_catalog.jsonb, $11, "
     "$12::pg_catalog.timestamptz)")
+
+_SCHEMA_CHANGE = StoreStatement(
+    b"applier_schema_change",
+    "INSERT INTO applier.schema_changes (slot_name, source_lsn, table_schema, table_name, kind, "
+    "statement) VALUES ($1, $2::pg_catalog.pg_lsn, $3, $4, $5, $6)")
 
 _SKIP_REQUEST = "SELECT lsn::text FROM applier.skip_requests WHERE slot_name = $1"
 _SKIP_CLEAR = "DELETE FROM applier.skip_requests WHERE slot_name = $1 AND lsn = $2::pg_catalog.pg_lsn"
@@ -170,6 +176,11 @@ class PostgresApplyStore:
             encode_lsn(conflict.source_lsn), conflict.key.encode(), text(conflict.local_row),
             conflict.remote_row.encode(), text(conflict.local_origin),
             text(conflict.local_commit_time)], (0,) * 12)
+
+    def record_schema_change(self, change: SchemaChange) -> None:
+        self.session.run(_SCHEMA_CHANGE, [
+            self._slot, encode_lsn(change.source_lsn), change.table_schema.encode(),
+            change.table_name.encode(), change.kind.encode(), change.statement.encode()], (0,) * 6)
 
     # -- skip requests --------------------------------------------------------------------------
     def skip_request(self) -> LSN | None:

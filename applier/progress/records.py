@@ -12,7 +12,7 @@ from datetime import datetime
 from ..protocol.lsn import LSN
 
 __all__ = ["AppliedPosition", "ConflictRecord", "MessageRecord", "OriginRecord", "Position",
-           "PreparedHeader", "Progress", "SkippedTransaction", "TableName"]
+           "PreparedHeader", "Progress", "SchemaChange", "SkippedTransaction", "TableName"]
 
 TableName = tuple[str, str]  # (schema, table)
 
@@ -96,6 +96,17 @@ class SkippedTransaction:
     gid: str | None
     changes: int
     tables: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SchemaChange:
+    """A change the worker made to a target table to follow the source (``applier.schema_changes``)."""
+
+    table_schema: str
+    table_name: str
+    kind: str            # add_column | widen | drop_not_null
+    statement: str
+    source_lsn: LSN | None  # commit LSN of the source transaction that needed it
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from .records import (
     Position,
     PreparedHeader,
     Progress,
+    SchemaChange,
     SkippedTransaction,
     TableName,
 )
@@ -111,6 +112,8 @@ class ApplyStore(Protocol):
 
     def record_conflict(self, conflict: ConflictRecord) -> None: ...
 
+    def record_schema_change(self, change: SchemaChange) -> None: ...
+
     def skip_request(self) -> LSN | None: ...
 
     def drop_skip_request(self, lsn: LSN) -> None: ...
@@ -163,6 +166,9 @@ class Bookkeeping(Protocol):
     def rows(self, table: str, slot: str) -> list[Mapping[str, Any]]: ...
 
     def count_by_kind(self, table: str, slot: str) -> dict[str, int]: ...
+
+    def schema_changes(self, slot: str, limit: int = 20) -> list[Mapping[str, Any]]:
+        """The latest schema changes made for the slot, newest first."""
 
 
 def sync_lsns(slot: str, states: dict[TableName, tuple[str, str | None]]) -> dict[TableName, LSN]:

@@ -197,7 +197,8 @@ class ReplicationSession:
             two_phase=options.two_phase, two_phase_mode=settings.two_phase_mode,
             replication_origin=settings.replication_origin, skip_origins=settings.skip_origin,
             message_sink=settings.message_sink, message_prefixes=settings.message_prefix,
-            conflict_policy=settings.conflict_policy)
+            conflict_policy=settings.conflict_policy,
+            follow_schema=settings.schema_changes == "follow")
         try:
             return main_applier(target, apply_options, reflector, on_commit,
                                 careful_until=state.careful_until, warn=self.warn)

@@ -161,19 +161,20 @@ def test_killed_connections_and_restarted_source_are_survived(source_db, target_
 
 
 def test_missing_target_column_stops_then_resumes_after_it_is_added(source_db, target_db) -> None:
+    """``--schema-changes error``: PostgreSQL's subscriber's behaviour (follow adds the column)."""
     source_db.execute("CREATE TABLE t (id int PRIMARY KEY, a text, b text)")
     target_db.execute("CREATE TABLE t (id int PRIMARY KEY, a text)")
     source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
     create_slot(source_db)
     source_db.execute("INSERT INTO t VALUES (1, 'x', 'y')")
     source_db.execute("INSERT INTO t VALUES (2, 'z', 'w')")
-    failed = run_worker(source_db, target_db, expect_rc=1)
+    failed = run_worker(source_db, target_db, "--schema-changes", "error", expect_rc=1)
     assert 'has no column "b"' in failed.stderr
     assert '"public"."t"' in failed.stderr
     assert "commit LSN" in failed.stderr
     assert target_db.query("SELECT count(*) FROM t") == [(0,)]
     target_db.execute("ALTER TABLE t ADD COLUMN b text")
-    run_worker(source_db, target_db)
+    run_worker(source_db, target_db, "--schema-changes", "error")
     assert_same_rows(source_db, target_db, "t")
 
 

@@ -1,0 +1,248 @@
+"""Following the source's schema (``--schema-changes follow``): the target table made to fit.
+
+pgoutput carries no DDL, but each Relation message describes a table's columns as of that point
+in the stream (name, type OID and modifier, key flag), and a Type message names a type that is
+not built in. Owns comparing a Relation with its target table and the statements that make the
+target fit, along a safe list only:
+
+* a column the target lacks is added (nullable, no default), typed as on the source (a built-in
+  type by OID and modifier; another type by the name its Type message gave, which must exist on
+  the target);
+* a column whose source type now holds values the target's cannot is widened (smallint, integer,
+  bigint; real, double precision; a longer varchar or text; a wider numeric; a longer char);
+* a column gone from the source stays, and loses its NOT NULL when it has no default (new rows
+  could not be inserted otherwise); a rename is a drop and an add.
+
+Any other change of a column's type seen in this session stops the worker, naming table, column
+and both types. Each change is made in the target transaction of the first row change that needs
+it (so a crash keeps both or neither), recorded in ``applier.schema_changes`` and logged. Where a
+target transaction must not take the table's ACCESS EXCLUSIVE lock for long (a transaction
+prepared on the target, which would hold it until COMMIT PREPARED while later transactions wait
+for it; a transaction applied as it streams), the change is committed on its own first and the
+source sends the transaction again. Must never decide which transactions are applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from psycopg import sql
+
+from ..errors import ApplyError, Cause
+from ..progress.records import SchemaChange
+from ..protocol.messages import Relation, RelationColumn, Type
+from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
+from .transaction import TargetTransaction
+
+__all__ = ["DDL_INLINE", "DDL_REFUSED", "DDL_SEPARATELY", "SchemaFollower", "TypeCache"]
+
+log = logging.getLogger(__name__)
+
+#: How a target transaction takes a schema change: inside it (the rule), committed on its own
+#: before it (then the source sends the transaction again), or not at all (the transaction is
+#: applied elsewhere).
+DDL_INLINE, DDL_SEPARATELY, DDL_REFUSED = "inline", "separately", "refused"
+
+INT2, INT4, INT8, FLOAT4, FLOAT8 = 21, 23, 20, 700, 701
+NUMERIC, VARCHAR, BPCHAR, TEXT = 1700, 1043, 1042, 25
+#: Chains of types, each holding every value of those before it.
+_CHAINS = ((INT2, INT4, INT8), (FLOAT4, FLOAT8), (VARCHAR, TEXT), (BPCHAR, TEXT))
+_VARHDRSZ = 4
+
+
+class TypeCache(dict[int, tuple[str, str]]):
+    """Source type OID -> (schema, name), from the Type messages of the session."""
+
+    def learn(self, msg: Type) -> None:
+        self[msg.type_oid] = (msg.namespace, msg.name)
+
+
+@dataclass(frozen=True)
+class _Change:
+    kind: str            # add_column | widen | drop_not_null
+    column: str
+    statement: sql.Composable
+    source: RelationColumn | None
+
+
+class SchemaFollower:
+    def __init__(self, tx: TargetTransaction, types: TypeCache) -> None:
+        self.tx = tx
+        self.types = types
+
+    def align(self, relation: Relation, table: TargetTable, previous: Relation | None) -> TargetTable:
+        """``table`` made to fit ``relation`` (``previous``: the same relation's description
+        before, in this session); the same object when nothing had to change."""
+        changes = self._changes(relation, table, previous)
+        if not changes:
+            return table
+        tx = self.tx
+        mode = tx.schema_changes
+        if mode == DDL_REFUSED:
+            raise ApplyError(f"{table.sql_name} needs a schema change, which this session does "
+                             "not make", cause=Cause.SEND_AGAIN)
+        if mode == DDL_SEPARATELY:
+            tx.rollback()
+            tx.begin()
+        for change in changes:
+            tx.sql(change.statement.as_string())
+            log.info("schema change on %s: %s (the source's %s.%s changed)", table.sql_name,
+                     change.statement.as_string(), relation.namespace, relation.name)
+            current = tx.current
+            tx.store.record_schema_change(SchemaChange(
+                table.schema, table.name, change.kind, change.statement.as_string(),
+                current.commit_lsn if current is not None else None))
+            tx.pending["schema_change"] += 1
+            table = self._after(table, change)
+        if mode == DDL_SEPARATELY:
+            tx.commit_alone()
+            raise ApplyError(f"{table.sql_name} needed a schema change, made on its own before "
+                             "the prepared transaction that needs it; the source sends that "
+                             "transaction again", cause=Cause.SEND_AGAIN)
+        return table
+
+    # -- what must change -----------------------------------------------------------------------
+    def _changes(self, relation: Relation, table: TargetTable, previous: Relation | None) -> list[_Change]:
+        name = sql.Identifier(table.schema, table.name)
+        changes: list[_Change] = []
+        before = {c.name: c for c in previous.columns} if previous is not None else {}
+        for column in relation.columns:
+            target = table.columns.get(column.name)
+            if target is not None and target.generated:
+                continue  # reported when mapped: a generated column cannot take values
+            if target is None:
+                changes.append(_Change("add_column", column.name, sql.SQL(
+                    "ALTER TABLE {} ADD COLUMN {} {}").format(
+                        name, sql.Identifier(column.name), sql.SQL(self._type_sql(relation, column))),
+                    column))
+                continue
+            if _holds(target, column):
+                continue
+            widened = self._widened(target, column)
+            if widened is not None:
+                changes.append(_Change("widen", column.name, sql.SQL(
+                    "ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
+                        name, sql.Identifier(column.name), sql.SQL(widened)), column))
+                continue
+            # Types that differ off the safe list: a target made so on purpose keeps its type
+            # (values go through its input function, as ever), unless the source's type just
+            # changed in this session.
+            earlier = before.get(column.name)
+            if earlier is not None and (earlier.type_oid, earlier.type_modifier) != (
+                    column.type_oid, column.type_modifier):
+                raise ApplyError(
+                    f"the type of column {column.name!r} of {relation.namespace}.{relation.name} "
+                    f"changed on the source to {self._source_name(relation, column)}, which the "
+                    f"target's {target.type_sql} cannot hold and applier does not widen to: change "
+                    f"the target column's type by hand (ALTER TABLE {table.sql_name} ALTER COLUMN "
+                    "...), then restart", cause=Cause.NEEDS_OPERATOR)
+        present = {c.name for c in relation.columns}
+        for target in table.columns.values():
+            if target.name not in present and target.not_null and not target.has_default:
+                changes.append(_Change("drop_not_null", target.name, sql.SQL(
+                    "ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
+                        name, sql.Identifier(target.name)), None))
+        return changes
+
+    def _after(self, table: TargetTable, change: _Change) -> TargetTable:
+        """``table`` as the target has it after ``change`` (in this transaction)."""
+        columns = dict(table.columns)
+        if change.kind == "drop_not_null":
+            columns[change.column] = replace(columns[change.column], not_null=False)
+        else:
+            source = change.source
+            assert source is not None
+            type_oid, type_sql, has_equality = self._target_type(table, change.column)
+            old = columns.get(change.column)
+            columns[change.column] = TargetColumn(
+                change.column, type_sql, False, has_equality, type_oid, source.type_modifier,
+                old.not_null if old else False, old.has_default if old else False)
+        return replace(table, columns=columns)
+
+    def _target_type(self, table: TargetTable, column: str) -> tuple[int, str, bool]:
+        """(OID, format_type, has '=') of the column's type, as the target has it now (in this
+        transaction)."""
+        result = self.tx.sql(
+            "SELECT a.atttypid::int8, pg_catalog.format_type(a.atttypid, a.atttypmod), "
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '=' "
+            "AND o.oprleft = a.atttypid AND o.oprright = a.atttypid) "
+            "FROM pg_catalog.pg_attribute a WHERE a.attrelid = $1::pg_catalog.regclass "
+            "AND a.attname = $2 AND NOT a.attisdropped",
+            [table.sql_name.encode(), column.encode()])
+        values = [result.get_value(0, i) for i in range(3)]
+        return int(values[0] or 0), (values[1] or b"").decode(), values[2] == b"t"
+
+    # -- types ----------------------------------------------------------------------------------
+    def _type_sql(self, relation: Relation, column: RelationColumn) -> str:
+        """The source column's type as the target writes it."""
+        if column.type_oid < FIRST_NORMAL_OID:
+            return self._format_type(column.type_oid, column.type_modifier)
+        named = self.types.get(column.type_oid)
+        if named is None:
+            raise ApplyError(f"column {column.name!r} of {relation.namespace}.{relation.name} has "
+                             f"type OID {column.type_oid}, which no Type message named",
+                             cause=Cause.PROTOCOL)
+        found = self.tx.sql("SELECT pg_catalog.to_regtype($1)::oid::int8",
+                            [sql.Identifier(*named).as_string().encode()]).get_value(0, 0)
+        if found is None:
+            raise ApplyError(f"type {named[0]}.{named[1]} of the new column {column.name!r} of "
+                             f"{relation.namespace}.{relation.name} does not exist on the target: "
+                             "create it there (same schema and name), then restart",
+                             cause=Cause.NEEDS_OPERATOR)
+        return self._format_type(int(found), column.type_modifier)
+
+    def _format_type(self, type_oid: int, type_modifier: int) -> str:
+        value = self.tx.sql("SELECT pg_catalog.format_type($1::pg_catalog.oid, $2::int4)",
+                            [str(type_oid).encode(), str(type_modifier).encode()]).get_value(0, 0)
+        return (value or b"").decode()
+
+    def _source_name(self, relation: Relation, column: RelationColumn) -> str:
+        if column.type_oid < FIRST_NORMAL_OID:
+            return self._format_type(column.type_oid, column.type_modifier)
+        named = self.types.get(column.type_oid)
+        return f"{named[0]}.{named[1]}" if named else f"type OID {column.type_oid}"
+
+    def _widened(self, target: TargetColumn, column: RelationColumn) -> str | None:
+        """The type the target column is widened to, if the source's is on the safe list."""
+        source_oid, source_mod = column.type_oid, column.type_modifier
+        if source_oid == target.type_oid:
+            if source_oid == NUMERIC:
+                return self._format_type(NUMERIC, _numeric_union(target.type_modifier, source_mod))
+            if source_oid in (VARCHAR, BPCHAR):
+                return self._format_type(source_oid, -1 if source_mod < 0 else source_mod)
+            return None
+        for chain in _CHAINS:
+            if source_oid in chain and target.type_oid in chain \
+                    and chain.index(target.type_oid) < chain.index(source_oid):
+                return self._format_type(source_oid, source_mod)
+        return None
+
+
+def _holds(target: TargetColumn, column: RelationColumn) -> bool:
+    """The target column's type holds every value of the source column's."""
+    if target.type_oid == 0:
+        return True  # not known: leave it to the target's input function, as before
+    source_oid, source_mod, target_mod = column.type_oid, column.type_modifier, target.type_modifier
+    if source_oid == target.type_oid:
+        if source_oid in (VARCHAR, BPCHAR):
+            return target_mod < 0 or (0 <= source_mod <= target_mod)
+        if source_oid == NUMERIC:
+            return target_mod < 0 or (source_mod >= 0 and _numeric_union(target_mod, source_mod) == target_mod)
+        return True
+    for chain in _CHAINS:
+        if source_oid in chain and target.type_oid in chain:
+            return chain.index(target.type_oid) >= chain.index(source_oid)
+    return False
+
+
+def _numeric_union(target_mod: int, source_mod: int) -> int:
+    """The numeric modifier holding the values of both (-1: unbounded)."""
+    if target_mod < 0 or source_mod < 0:
+        return -1
+    t_prec, t_scale = (target_mod - _VARHDRSZ) >> 16, (target_mod - _VARHDRSZ) & 0xFFFF
+    s_prec, s_scale = (source_mod - _VARHDRSZ) >> 16, (source_mod - _VARHDRSZ) & 0xFFFF
+    scale = max(t_scale, s_scale)
+    digits = max(t_prec - t_scale, s_prec - s_scale)
+    return (((digits + scale) << 16) | scale) + _VARHDRSZ
+

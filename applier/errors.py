@@ -50,6 +50,7 @@ class Cause(Enum):
     FAST_PATH_MISMATCH = "fast path mismatch"
     TEXT_VALUES_NEEDED = "text values needed"
     SEND_AGAIN = "send again"              # only the source still has the changes
+    PUBLICATION_CHANGED = "publication changed"  # a table to copy before streaming on
 
 
 _DIRECTIVES = {
@@ -61,6 +62,7 @@ _DIRECTIVES = {
     Cause.FAST_PATH_MISMATCH: Directive.REDO_CAREFUL,
     Cause.TEXT_VALUES_NEEDED: Directive.RESTART_NOW,
     Cause.SEND_AGAIN: Directive.RESTART_NOW,
+    Cause.PUBLICATION_CHANGED: Directive.RESTART_NOW,
 }
 
 #: SQLSTATE classes of a connection that is gone: connection exceptions, operator intervention

@@ -17,6 +17,7 @@ from ..progress.postgres import PostgresApplyStore
 from ..progress.records import AppliedPosition
 from ..progress.store import ApplyStore
 from ..protocol.lsn import LSN
+from ..protocol.messages import Relation
 from .dispatch import Applier
 from .fastpath import BatchLimits
 from .handlers import build_handlers, tag_with_origin
@@ -51,7 +52,8 @@ class ApplyOptions:
 
 def main_applier(session: TargetSession, options: ApplyOptions,
                  reflect: Callable[[str, str], TargetTable], on_commit: OnCommit, *,
-                 careful_until: LSN, warn: Callable[[str], None]) -> Applier:
+                 careful_until: LSN, warn: Callable[[str], None],
+                 on_relation: Callable[[Relation], None] | None = None) -> Applier:
     """The applier of the worker's main target session. Raises ValueError for a setting the
     target cannot honour, ``SyncIncomplete`` while an initial copy is unfinished."""
     tag, info = tag_with_origin(session, options.slot, options.replication_origin, warn)
@@ -69,7 +71,7 @@ def main_applier(session: TargetSession, options: ApplyOptions,
     sync_filter = SyncFilter(store.table_sync_lsns())
     return Applier(tx, RelationCache(reflect, binary_check=options.binary_check), handlers,
                    limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,
-                   follow_schema=options.follow_schema)
+                   follow_schema=options.follow_schema, on_relation=on_relation)
 
 
 def second_applier(main: Applier, session: TargetSession,
@@ -93,4 +95,4 @@ def second_applier(main: Applier, session: TargetSession,
     return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check),
                    main.handlers.for_second_session(tx),
                    limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf),
-                   follow_schema=main.schema is not None)
+                   follow_schema=main.schema is not None, on_relation=main.on_relation)

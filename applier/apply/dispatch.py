@@ -65,7 +65,8 @@ _SKIPPED_ORIGIN = Discard("from a skipped origin")
 class Applier:
     def __init__(self, tx: TargetTransaction, relations: RelationCache, handlers: Handlers, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
-                 sync_filter: SyncFilter | None = None, follow_schema: bool = False) -> None:
+                 sync_filter: SyncFilter | None = None, follow_schema: bool = False,
+                 on_relation: Callable[[Relation], None] | None = None) -> None:
         self.tx = tx
         self.relations = relations
         self.handlers = handlers
@@ -76,6 +77,9 @@ class Applier:
         #: read again if it rolls back.
         self._altered: set[int] = set()
         self._schema_changes = tx.schema_changes  # how this session makes them, outside 2PC
+        #: Told of every Relation message first: it may end the session (a table added to a
+        #: publication is copied before streaming on).
+        self.on_relation = on_relation
         tx.on_end.append(self._transaction_ended)
         self.careful = CarefulPath(tx, relations, handlers.conflicts)
         conflicts = handlers.conflicts
@@ -127,6 +131,8 @@ class Applier:
 
     # -- schema ---------------------------------------------------------------------------------
     def relation(self, msg: Relation) -> None:
+        if self.on_relation is not None:
+            self.on_relation(msg)
         try:
             # A table a schema change in the open transaction altered is known better here than
             # by reading it on another connection, which does not see the change yet.

@@ -28,8 +28,17 @@ class SyncFilter:
     def __init__(self, sync_lsns: Mapping[TableName, LSN]) -> None:
         self._lsns = dict(sync_lsns)
         self.skipped: frozenset[TableName] = frozenset()
+        self._commit_lsn: LSN | None = None  # of the transaction being applied
+
+    def add(self, table: TableName, sync_lsn: LSN) -> None:
+        """A table copied while the stream runs (added to a publication): the transaction being
+        applied, and every later one, is filtered for it too."""
+        self._lsns[table] = sync_lsn
+        if self._commit_lsn is not None:
+            self.begin(self._commit_lsn)
 
     def begin(self, commit_lsn: LSN) -> None:
+        self._commit_lsn = commit_lsn
         if not self._lsns:
             return
         self.skipped = frozenset(t for t, lsn in self._lsns.items() if commit_lsn < lsn)

@@ -61,6 +61,7 @@ class StatusReport:
     skipped_transactions: dict[str, int] | None
     origins: list[dict[str, Any]] | None
     schema_changes: list[dict[str, Any]]
+    publication_tables: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
@@ -111,6 +112,9 @@ def collect_status(settings: Settings) -> StatusReport:
         origins = ([_with_lsns(row) for row in store.rows("origins", slot_name)]
                    if "origins" in tables else None)
         schema_changes = [_with_lsns(row) for row in store.schema_changes(slot_name)]
+        publication_tables = [{"schema_name": schema, "table_name": table, "state": state}
+                              for (schema, table), state in
+                              sorted(store.publication_tables(slot_name).items())]
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -130,7 +134,7 @@ def collect_status(settings: Settings) -> StatusReport:
         progress=progress, lag=lag, max_lag=limit.text if limit else None,
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
-        schema_changes=schema_changes,
+        schema_changes=schema_changes, publication_tables=publication_tables,
         spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
 
@@ -255,6 +259,13 @@ def render_table(report: StatusReport) -> str:
     if report.origins:
         rows.append(("origins", f"{len(report.origins)} origin(s)" + "".join(
             f"\n  '{row['origin_name']}': origin LSN {row['origin_lsn']}" for row in report.origins)))
+    not_applied = [t for t in report.publication_tables if t["state"] != "published"]
+    if report.publication_tables:
+        rows.append(("published tables", f"{len(report.publication_tables)} followed" + "".join(
+            f"\n  {t['schema_name']}.{t['table_name']}: "
+            + ("no longer published: not applied, target rows kept" if t["state"] == "removed"
+               else "being copied (added to the publication)")
+            for t in not_applied)))
     if report.schema_changes:
         rows.append(("schema changes", f"{len(report.schema_changes)} latest" + "".join(
             f"\n  {_jsonable(c.get('applied_at'))} {c['statement']}" for c in report.schema_changes)))

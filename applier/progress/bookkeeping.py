@@ -150,6 +150,23 @@ class SqlBookkeeping:
                    "lsn = EXCLUDED.lsn, requested_at = now()", {"slot": slot, "lsn": str(lsn)})
         return LSN.parse(previous[0][0]) if previous else None
 
+    def publication_tables(self, slot: str) -> dict[TableName, str]:
+        """The tables the slot's publications published as the worker last saw them, and their
+        state (published, copying, removed); empty before schema 0005 or the first run."""
+        if "publication_tables" not in self.tables():
+            return {}
+        rows = self._rows("SELECT schema_name, table_name, state FROM applier.publication_tables "
+                          "WHERE slot_name = %(slot)s", {"slot": slot})
+        return {(r[0], r[1]): r[2] for r in rows}
+
+    def set_publication_tables(self, slot: str, tables: Iterable[TableName], state: str) -> None:
+        for schema, name in tables:
+            self._rows("INSERT INTO applier.publication_tables (slot_name, schema_name, table_name, "
+                       "state) VALUES (%(slot)s, %(schema)s, %(name)s, %(state)s) ON CONFLICT "
+                       "(slot_name, schema_name, table_name) DO UPDATE SET state = EXCLUDED.state, "
+                       "changed_at = clock_timestamp()",
+                       {"slot": slot, "schema": schema, "name": name, "state": state})
+
     def start_copies(self, slot: str, tables: Iterable[TableName], forget_position: bool) -> None:
         """Mark ``tables`` as copying (in the caller's transaction, with their truncation).
 

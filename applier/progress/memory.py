@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,6 +48,7 @@ class _State:
     chunks: dict[tuple[str, int], dict[int, bytes]] = field(default_factory=dict)
     copy_xids: dict[str, set[int]] = field(default_factory=dict)
     table_sync: dict[tuple[str, TableName], TableState] = field(default_factory=dict)
+    publication_tables: dict[tuple[str, TableName], str] = field(default_factory=dict)
 
 
 _Op = Callable[[_State], Any]
@@ -229,6 +230,14 @@ class MemoryStore:
         changes = [c for owner, c in self._committed.schema_changes if owner == slot][::-1][:limit]
         return [{"table_schema": c.table_schema, "table_name": c.table_name, "kind": c.kind,
                  "statement": c.statement, "source_lsn": c.source_lsn} for c in changes]
+
+    def publication_tables(self, slot: str) -> dict[TableName, str]:
+        return {name: state for (owner, name), state in self._committed.publication_tables.items()
+                if owner == slot}
+
+    def set_publication_tables(self, slot: str, tables: Iterable[TableName], state: str) -> None:
+        for table in tables:
+            self._committed.publication_tables[(slot, table)] = state
 
     def count_by_kind(self, table: str, slot: str) -> dict[str, int]:
         if table == "conflicts":

@@ -16,7 +16,7 @@ never import the apply stage or the source: they depend on it, not it on them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -169,6 +169,11 @@ class Bookkeeping(Protocol):
 
     def schema_changes(self, slot: str, limit: int = 20) -> list[Mapping[str, Any]]:
         """The latest schema changes made for the slot, newest first."""
+
+    def publication_tables(self, slot: str) -> dict[TableName, str]:
+        """The tables the worker follows for the slot, and their state."""
+
+    def set_publication_tables(self, slot: str, tables: Iterable[TableName], state: str) -> None: ...
 
 
 def sync_lsns(slot: str, states: dict[TableName, tuple[str, str | None]]) -> dict[TableName, LSN]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import psycopg
@@ -189,10 +190,11 @@ class _Copier:
 
 def copy_tables(source_dsn: str, target_dsn: str, slot: str, snapshot: ExportedSnapshot,
                 tasks: list[CopyTask], jobs: int, progress: CopyProgress, client_encoding: str,
-                stop_requested: threading.Event) -> None:
+                stop_requested: threading.Event, tick: Callable[[], None] | None = None) -> None:
     """Run ``tasks`` on ``jobs`` sessions, marking each table done (with the snapshot's consistent
     point as its sync LSN) once all its ranges are in. The first failure stops the other sessions
     (their open COPYs are cancelled) and is raised; tables finished before it stay done.
+    ``tick`` is called about five times a second meanwhile.
     """
     copier = _Copier(source_dsn, target_dsn, slot, snapshot, tasks, progress, client_encoding)
     threads = [threading.Thread(target=copier.run_session, args=(n,), name=f"sync-{n}", daemon=True)
@@ -202,6 +204,8 @@ def copy_tables(source_dsn: str, target_dsn: str, slot: str, snapshot: ExportedS
     for thread in threads:
         while thread.is_alive():
             thread.join(0.2)
+            if tick is not None:
+                tick()
             if stop_requested.is_set() and not copier.stop.is_set():
                 copier.stop.set()
                 copier.cancel_all()

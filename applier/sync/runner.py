@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
 
-import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -33,12 +31,10 @@ from ..progress.lock import WorkerLock
 from ..progress.schema import make_engine, upgrade_schema
 from ..source.slots import slot_info
 from ..worker import run
-from .catalog import PublishedTable, published_tables
-from .copy import CopyStopped, copy_tables, plan_tasks
-from .progress import CopyProgress
-from .relay import accelerated
-from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
-from .target import TargetCheckError, is_empty, prepare_targets, target_session
+from .catalog import published_tables
+from .copy import CopyStopped
+from .snapshot import source_session
+from .tables import CopyRound, copy_round
 
 __all__ = ["Syncer", "run_sync"]
 
@@ -112,61 +108,28 @@ class Syncer:
 
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings
-        target = target_session(settings.required("target"), "applier sync")
-        encoding = target.info.parameter_status("server_encoding") or "UTF8"
-        control = source_session(settings.required("source"), encoding, "applier sync control")
+        control = source_session(settings.required("source"), "UTF8", "applier sync control")
         try:
             # The preflight checked the publications and the slot's plugin.
             fresh = slot_info(control, self.slot) is None
             tables = published_tables(control, settings.publication)
-            with engine.connect() as conn:
-                states = SqlBookkeeping(conn).table_states(self.slot)
-            # A new slot starts a new history: whatever an older slot of this name copied is stale.
-            done = set() if fresh else {k for k, s in states.items() if s.state == "done"}
-            todo = [t for t in tables if t.key not in done]
-            if not todo and not fresh:
-                log.info("all %d published tables are already copied for slot %r", len(tables), self.slot)
-                return
-            plans = prepare_targets(control, target, engine, todo, create_tables=settings.create_tables)
-            self._check_empty(target, todo, {k for k, s in states.items() if s.state == "copying"})
-            with target.transaction():
-                SqlBookkeeping(target).start_copies(self.slot, [t.key for t in todo],
-                                                    forget_position=fresh)
-                if todo:
-                    target.execute("TRUNCATE " + ", ".join(t.sql_name for t in todo))
-            block_size = int(control.execute("SELECT pg_catalog.current_setting('block_size')")
-                             .fetchone()[0])  # type: ignore[index]
-            snapshot = ExportedSnapshot.create(
-                settings.required("source"), self.slot if fresh else temporary_slot_name(self.slot),
-                temporary=not fresh, two_phase=bool(settings.two_phase) and fresh)
-            try:
-                tasks = plan_tasks(plans, settings.range_size, block_size)
-                log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
-                         "(consistent point %s), relaying in %s", len(todo), len(tasks), settings.jobs,
-                         snapshot.name, snapshot.consistent_point,
-                         "C" if accelerated(control) else "Python")
-                with CopyProgress(todo, settings.required("target"), interactive=sys.stderr.isatty(),
-                                  interval=settings.progress_interval) as progress:
-                    copy_tables(settings.required("source"), settings.required("target"), self.slot, snapshot, tasks,
-                                settings.jobs, progress, encoding, self.stop_requested)
-            finally:
-                snapshot.close()
-            log.info("initial copy finished: %d table(s)", len(todo))
         finally:
             control.close()
-            target.close()
-
-    def _check_empty(self, target: psycopg.Connection, todo: list[PublishedTable],
-                     ours: set[tuple[str, str]]) -> None:
-        """Refuse non-empty target tables unless --truncate-target; a table holding our own
-        unfinished copy is emptied without asking."""
-        if self.settings.truncate_target:
+        with engine.connect() as conn:
+            states = SqlBookkeeping(conn).table_states(self.slot)
+        # A new slot starts a new history: whatever an older slot of this name copied is stale.
+        done = set() if fresh else {k for k, s in states.items() if s.state == "done"}
+        todo = [t for t in tables if t.key not in done]
+        if not todo and not fresh:
+            log.info("all %d published tables are already copied for slot %r", len(tables), self.slot)
             return
-        full = [t.sql_name for t in todo if t.key not in ours and not is_empty(target, t)]
-        if full:
-            raise TargetCheckError(f"target table(s) {', '.join(full)} are not empty; the copy "
-                                   "would mix with their rows. Empty them, or pass "
-                                   "--truncate-target to have applier sync truncate them")
+        ours = frozenset(k for k, s in states.items() if s.state == "copying")
+        copy_round(settings, engine, CopyRound(self.slot, todo, fresh, ours), self.stop_requested)
+        with engine.begin() as conn:
+            # The tables the worker then follows: one added to a publication later is copied.
+            SqlBookkeeping(conn).set_publication_tables(self.slot, [t.key for t in tables],
+                                                        "published")
+        log.info("initial copy finished: %d table(s)", len(todo))
 
 
 def run_sync(settings: Settings) -> int:

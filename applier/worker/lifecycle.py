@@ -183,8 +183,8 @@ class Worker:
         assert self._engine is not None and self._lock is not None
         self._lock.ensure()  # a lost lock connection (a target restart) is taken again first
         session = ReplicationSession(self.settings, self._state, self._engine, self.telemetry,
-                                     self._head_start, lambda: self.stop_requested,
-                                     self._warn_once, self.spill_dir)
+                                     self._head_start, self._stopping, self._warn_once,
+                                     self.spill_dir)
         try:
             session.run()
         except StopRequested:

@@ -46,7 +46,8 @@ class StreamLoop:
     def __init__(self, stream: ReplicationStream, assembler: Assembler, applier: Applier,
                  gate: IngestGate, control: psycopg.Connection, slot: str,
                  flushed_wal_lsn: Callable[[], LSN], caught_up: CaughtUp | None,
-                 stop_requested: Callable[[], bool], progress_interval: float = 10.0) -> None:
+                 stop_requested: Callable[[], bool], progress_interval: float = 10.0,
+                 check_publications: Callable[[], None] | None = None) -> None:
         self.stream = stream
         self.assembler = assembler
         self.applier = applier
@@ -62,6 +63,7 @@ class StreamLoop:
         # rewrite: removed by hand?): they are left to the WAL writer, as before every pause.
         self._rewrite_failed_for: LSN | None = None
         self.progress = ProgressLog(applier.counts, progress_interval)
+        self.check_publications = check_publications
 
     def committed(self, end_lsn: LSN, target_lsn: LSN | None) -> None:
         """A target commit covering source ``end_lsn`` (the apply stage's ``on_commit``)."""
@@ -114,6 +116,8 @@ class StreamLoop:
                 last_flush_check = time.monotonic()
             if not assembler.idle:
                 continue
+            if self.check_publications is not None and not applier.holds_uncommitted:
+                self.check_publications()  # every so often: may end the session, to copy a table
             if not applier.holds_uncommitted and not unflushed:
                 # Nothing open, buffered or unflushed: everything the server sent is applied and
                 # durable, so the position it last reported having sent is safe to confirm too.

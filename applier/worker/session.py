@@ -12,6 +12,7 @@ never retry: the worker does.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,10 +32,12 @@ from ..errors import ApplyError, Cause, SourceError
 from ..ingest.gate import IngestGate
 from ..preflight import check_source
 from ..protocol.lsn import LSN
+from ..protocol.messages import Relation
 from ..source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
 from ..source.slots import create_slot, slot_info
 from ..source.stream import classify
 from .loop import CaughtUp, StreamLoop
+from .publication import PublicationFollower
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
@@ -65,16 +68,15 @@ class SessionState:
 
 class ReplicationSession:
     def __init__(self, settings: Settings, state: SessionState, engine: Engine,
-                 telemetry: Telemetry, head_start: HeadStart | None,
-                 stop_requested: Callable[[], bool], warn: Callable[[str], None],
-                 spill_dir: Path) -> None:
+                 telemetry: Telemetry, head_start: HeadStart | None, stopping: threading.Event,
+                 warn: Callable[[str], None], spill_dir: Path) -> None:
         self.settings = settings
         self.slot = settings.required("slot")
         self.state = state
         self.engine = engine
         self.telemetry = telemetry
         self.head_start = head_start
-        self.stop_requested = stop_requested
+        self.stopping = stopping
         self.warn = warn
         self.spill_dir = spill_dir
         self.stream: ReplicationStream | None = None
@@ -96,6 +98,10 @@ class ReplicationSession:
         reflector = Reflector(self.engine)
         try:
             slot_two_phase = self._check_source(control)
+            # Tables added to a publication (while stopped, or noticed last session) are copied
+            # before anything else; their changes are then filtered by their sync LSN.
+            publications = PublicationFollower(settings, self.slot, self.engine, control, self.stopping)
+            publications.start()
             try:
                 options = options_for(settings, control.info.server_version, slot_two_phase,
                                       text_values=state.text_values)
@@ -107,7 +113,8 @@ class ReplicationSession:
                 assert loop is not None
                 loop.committed(end_lsn, target_lsn)
 
-            applier = self._applier(target, options, reflector, on_commit)
+            applier = self._applier(target, options, reflector, on_commit,
+                                    lambda msg: publications.relation(msg.namespace, msg.name))
             applied = applier.tx.applied
             stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
             self.stream = stream
@@ -126,8 +133,8 @@ class ReplicationSession:
                                   early=early)
             flushed = early.flushed_wal_lsn if early is not None else target.flushed_wal_lsn
             loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),
-                              control, self.slot, flushed, state.caught_up, self.stop_requested,
-                              settings.progress_interval)
+                              control, self.slot, flushed, state.caught_up, self.stopping.is_set,
+                              settings.progress_interval, publications.check)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
                      applied.commit_lsn, options.sql(),
@@ -185,7 +192,8 @@ class ReplicationSession:
                              synchronous_commit=self.settings.synchronous_commit)
 
     def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
-                 on_commit: Callable[[LSN, LSN | None], None]) -> Applier:
+                 on_commit: Callable[[LSN, LSN | None], None],
+                 on_relation: Callable[[Relation], None]) -> Applier:
         settings, state = self.settings, self.state
         limits = BatchLimits(settings.batch_rows,
                              min(settings.batch_bytes, settings.memory_budget // 2),
@@ -201,7 +209,8 @@ class ReplicationSession:
             follow_schema=settings.schema_changes == "follow")
         try:
             return main_applier(target, apply_options, reflector, on_commit,
-                                careful_until=state.careful_until, warn=self.warn)
+                                careful_until=state.careful_until, warn=self.warn,
+                                on_relation=on_relation)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -1,0 +1,104 @@
+"""Copying published tables from one snapshot: what ``applier sync`` does for every table, and what
+the worker does for a table added to a publication while it runs.
+
+Owns one copy round: the target tables made ready (created from the source's definitions with
+``--create-tables``, and each COPY's format chosen), the check that a table about to be emptied
+holds nothing but this slot's own rows (or ``--truncate-target``), the tables marked as copying
+and emptied in one target transaction, the snapshot taken (the slot itself when it is created
+now, else a temporary slot whose consistent point is the copy's sync LSN), the copy in parallel
+sessions, each table marked done with that LSN in the transaction of its last rows. Must never
+stream changes or decide which tables need a copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psycopg
+from sqlalchemy import Engine
+
+from ..config import Settings
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.records import TableName
+from ..protocol.lsn import LSN
+from .catalog import PublishedTable
+from .copy import copy_tables, plan_tasks
+from .progress import CopyProgress
+from .relay import accelerated
+from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
+from .target import TargetCheckError, is_empty, prepare_targets, target_session
+
+__all__ = ["CopyRound", "copy_round"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CopyRound:
+    """What one round copies, and how."""
+
+    slot: str
+    tables: list[PublishedTable]
+    #: The slot is created by this round (its snapshot is the copy's); else a temporary slot.
+    create_slot: bool
+    #: Tables whose target rows are this slot's own (an interrupted copy, a table that was
+    #: published before): emptied without asking.
+    ours: frozenset[TableName]
+
+
+def copy_round(settings: Settings, engine: Engine, round_: CopyRound, stop: threading.Event,
+               tick: Callable[[], None] | None = None) -> LSN:
+    """Copy ``round_.tables`` from one snapshot; returns its consistent point (the tables' sync
+    LSN). ``tick`` is called every fraction of a second while the copy runs (the worker keeps
+    its replication stream alive with it)."""
+    source_dsn, target_dsn = settings.required("source"), settings.required("target")
+    target = target_session(target_dsn, "applier copy")
+    encoding = target.info.parameter_status("server_encoding") or "UTF8"
+    control = source_session(source_dsn, encoding, "applier copy control")
+    tables = round_.tables
+    try:
+        plans = prepare_targets(control, target, engine, tables, create_tables=settings.create_tables)
+        _check_empty(settings, target, tables, round_.ours)
+        with target.transaction():
+            SqlBookkeeping(target).start_copies(round_.slot, [t.key for t in tables],
+                                                forget_position=round_.create_slot)
+            if tables:
+                target.execute("TRUNCATE " + ", ".join(t.sql_name for t in tables))
+        row = control.execute("SELECT pg_catalog.current_setting('block_size')").fetchone()
+        block_size = int(row[0]) if row else 8192
+        snapshot = ExportedSnapshot.create(
+            source_dsn, round_.slot if round_.create_slot else temporary_slot_name(round_.slot),
+            temporary=not round_.create_slot,
+            two_phase=bool(settings.two_phase) and round_.create_slot)
+        try:
+            tasks = plan_tasks(plans, settings.range_size, block_size)
+            log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
+                     "(consistent point %s), relaying in %s", len(tables), len(tasks), settings.jobs,
+                     snapshot.name, snapshot.consistent_point, "C" if accelerated(control) else "Python")
+            with CopyProgress(tables, target_dsn, interactive=sys.stderr.isatty(),
+                              interval=settings.progress_interval) as progress:
+                copy_tables(source_dsn, target_dsn, round_.slot, snapshot, tasks, settings.jobs,
+                            progress, encoding, stop, tick)
+        finally:
+            snapshot.close()
+        return snapshot.consistent_point
+    finally:
+        control.close()
+        target.close()
+
+
+def _check_empty(settings: Settings, target: psycopg.Connection, tables: list[PublishedTable],
+                 ours: frozenset[TableName]) -> None:
+    """Refuse non-empty target tables unless --truncate-target; a table holding this slot's own
+    rows is emptied without asking."""
+    if settings.truncate_target:
+        return
+    full = [t.sql_name for t in tables if t.key not in ours and not is_empty(target, t)]
+    if full:
+        raise TargetCheckError(f"target table(s) {', '.join(full)} are not empty; the copy "
+                               "would mix with their rows. Empty them, or pass "
+                               "--truncate-target to have the copy truncate them")

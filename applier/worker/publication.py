@@ -1,0 +1,139 @@
+"""The slot's publications followed while the worker runs: tables added are copied, tables
+removed are no longer applied.
+
+Owns which tables the worker follows (``applier.publication_tables``: published, copying,
+removed), noticing a change (a Relation message naming a table the session does not follow, or
+the periodic look at the publications) and copying the tables added. A table is copied at the
+start of a session, before the stream starts: one added while the worker was stopped, or whose
+copy was interrupted, or one noticed while streaming (the session then ends at once to start
+again, so that no target transaction of this worker is open while the copy's snapshot is taken,
+which waits for every transaction running on the source's server to end). The copy is ``applier
+sync``'s (``sync.tables.copy_round``) from a temporary slot's snapshot whose consistent point is
+the table's sync LSN: the apply stage skips that table's changes of transactions committed
+before it (they are in the copy) and applies the later ones, so there is no gap and no overlap.
+The pause is bounded by that copy, and logged. Must never apply a row change itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+from sqlalchemy import Engine
+
+from ..config import Settings
+from ..errors import ApplierError, Cause
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.records import TableName
+from ..protocol.lsn import LSN
+from ..sync.catalog import PublishedTable, published_tables
+from ..sync.tables import CopyRound, copy_round
+
+__all__ = ["CHECK_SECONDS", "PublicationChanged", "PublicationFollower"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between looks at the publications' table lists while streaming.
+CHECK_SECONDS = 30.0
+
+
+class PublicationChanged(ApplierError):
+    """A table was added to a publication while streaming: start again, to copy it first."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, cause=Cause.PUBLICATION_CHANGED)
+
+
+class PublicationFollower:
+    def __init__(self, settings: Settings, slot: str, engine: Engine, control: psycopg.Connection,
+                 stop: threading.Event) -> None:
+        self.settings = settings
+        self.slot = slot
+        self.engine = engine
+        self.control = control
+        self.stop = stop
+        #: The tables this session follows.
+        self.published: set[TableName] = set()
+        self._known: dict[TableName, str] = {}
+        self._checked = time.monotonic()
+
+    def start(self) -> dict[TableName, LSN]:
+        """At session start: on the first run, follow what is published now (or what sync
+        copied) without copying it; copy what was added since (or whose copy was interrupted);
+        note what was removed. Returns the sync LSNs of the tables copied."""
+        tables = published_tables(self.control, self.settings.publication)
+        with self.engine.begin() as conn:
+            store = SqlBookkeeping(conn)
+            known = store.publication_tables(self.slot)
+            if not known:
+                first = {t.key for t in tables} | set(store.table_states(self.slot))
+                store.set_publication_tables(self.slot, sorted(first), "published")
+                known = dict.fromkeys(first, "published")
+        self._known = known
+        copied = self._follow(tables)
+        self._checked = time.monotonic()
+        return copied
+
+    def check(self) -> None:
+        """Every CHECK_SECONDS: raise ``PublicationChanged`` when a table was added (it is copied
+        at the next session's start); note the tables removed."""
+        if time.monotonic() - self._checked < CHECK_SECONDS:
+            return
+        self._checked = time.monotonic()
+        self._notice(published_tables(self.control, self.settings.publication))
+
+    def relation(self, schema: str, name: str) -> None:
+        """A Relation message names ``schema.name``: ``PublicationChanged`` when the session does
+        not follow it and a publication publishes it now."""
+        if (schema, name) in self.published:
+            return
+        tables = published_tables(self.control, self.settings.publication)
+        if (schema, name) in {t.key for t in tables}:  # else a partition published through its root
+            self._notice(tables)
+
+    def _notice(self, tables: list[PublishedTable]) -> None:
+        now = {t.key for t in tables}
+        self._remove(now)
+        added = sorted(now - self.published)
+        if added:
+            raise PublicationChanged(
+                f"{', '.join(f'{s}.{t}' for s, t in added)} added to the publication: the session "
+                "starts again to copy it first")
+        self.published = now
+
+    def _remove(self, now: set[TableName]) -> None:
+        removed = sorted(k for k, state in self._known.items() if state != "removed" and k not in now)
+        if removed:
+            log.info("no longer published, so no longer applied (target rows kept): %s",
+                     ", ".join(f"{s}.{t}" for s, t in removed))
+            self._set(removed, "removed")
+
+    def _follow(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
+        now = {t.key for t in tables}
+        self._remove(now)
+        todo = [t for t in tables if self._known.get(t.key) in (None, "removed", "copying")]
+        copied: dict[TableName, LSN] = {}
+        if todo:
+            copied = self._copy(todo)
+        self.published = now
+        return copied
+
+    def _copy(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
+        names = ", ".join(t.sql_name for t in tables)
+        ours = frozenset(t.key for t in tables if self._known.get(t.key) in ("removed", "copying"))
+        log.info("copying %s (added to the publication) before streaming", names)
+        started = time.monotonic()
+        self._set([t.key for t in tables], "copying")
+        lsn = copy_round(self.settings, self.engine, CopyRound(self.slot, tables, False, ours),
+                         self.stop)
+        self._set([t.key for t in tables], "published")
+        log.info("copied %s in %.1f s (sync LSN %s): its changes from then on are applied", names,
+                 time.monotonic() - started, lsn)
+        return {t.key: lsn for t in tables}
+
+    def _set(self, tables: list[TableName], state: str) -> None:
+        with self.engine.begin() as conn:
+            SqlBookkeeping(conn).set_publication_tables(self.slot, tables, state)
+        self._known.update(dict.fromkeys(tables, state))

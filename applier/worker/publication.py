@@ -63,7 +63,13 @@ class PublicationFollower:
         """At session start: on the first run, follow what is published now (or what sync
         copied) without copying it; copy what was added since (or whose copy was interrupted);
         note what was removed. Returns the sync LSNs of the tables copied."""
-        tables = published_tables(self.control, self.settings.publication)
+        tables = self._published()
+        if tables is None:  # the catalog is busy: follow what was known, look again later
+            with self.engine.connect() as conn:
+                known = SqlBookkeeping(conn).publication_tables(self.slot)
+            self._known = known
+            self.published = {k for k, state in known.items() if state != "removed"}
+            return {}
         with self.engine.begin() as conn:
             store = SqlBookkeeping(conn)
             known = store.publication_tables(self.slot)
@@ -82,16 +88,32 @@ class PublicationFollower:
         if time.monotonic() - self._checked < CHECK_SECONDS:
             return
         self._checked = time.monotonic()
-        self._notice(published_tables(self.control, self.settings.publication))
+        tables = self._published()
+        if tables is not None:
+            self._notice(tables)
 
     def relation(self, schema: str, name: str) -> None:
         """A Relation message names ``schema.name``: ``PublicationChanged`` when the session does
         not follow it and a publication publishes it now."""
         if (schema, name) in self.published:
             return
-        tables = published_tables(self.control, self.settings.publication)
-        if (schema, name) in {t.key for t in tables}:  # else a partition published through its root
+        tables = self._published()
+        if tables is not None and (schema, name) in {t.key for t in tables}:  # else a partition published through its root
             self._notice(tables)
+
+    def _published(self) -> list[PublishedTable] | None:
+        """The publications' tables now; None when a lock keeps the catalog from saying at once
+        (reading it opens each table, and a transaction prepared on the source that altered one
+        holds it until COMMIT PREPARED, which the stream only sends later)."""
+        try:
+            self.control.execute("SET lock_timeout = '2s'")
+            return published_tables(self.control, self.settings.publication)
+        except psycopg.errors.LockNotAvailable:
+            log.info("the publications' tables cannot be read now (a table is locked, as by a "
+                     "transaction prepared on the source); looking again later")
+            return None
+        finally:
+            self.control.execute("SET lock_timeout TO DEFAULT")
 
     def _notice(self, tables: list[PublishedTable]) -> None:
         now = {t.key for t in tables}

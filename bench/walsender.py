@@ -38,8 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from apply import (SOURCE_SETTINGS, Workload, _pgbench, _with_work_mem,  # noqa: E402
-                   stream_dsn, stream_protocol, transport, workloads)
+from apply_workloads import (MARKER_TABLE, SOURCE_SETTINGS, Workload, _with_work_mem,  # noqa: E402
+                             prepare, published_tables, stream_dsn, stream_protocol, transport,
+                             workloads)
 
 from applier.embedded import Database, start_server  # noqa: E402
 from applier.protocol.lsn import LSN  # noqa: E402
@@ -144,14 +145,13 @@ def drain(source: Database, source_dsn: str, slot: str, work_mem: str, end: LSN,
 
 
 def _backlog(workload: Workload, db: Database, slots: Sequence[str]) -> LSN:
-    if workload.pgbench_init:
-        _pgbench(db, "-i", "-s", "1", "-q")
-    if workload.setup_sql:
-        db.execute(workload.setup_sql)
-    db.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(workload.tables)}")
+    prepare(workload, db)
+    db.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(published_tables(workload))}")
     for slot in slots:
         db.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     workload.write(db)
+    if workload.marker:
+        db.execute(f"INSERT INTO {MARKER_TABLE} VALUES (1)")
     end = LSN.parse(db.query("SELECT pg_current_wal_lsn()::text")[0][0])
     db.execute("CHECKPOINT")
     return end

@@ -18,7 +18,8 @@ The multi-client workloads (pgbench TPC-B at scale 10 from 1, 4 and 8 clients, 5
 transactions in all) also print a detailed table: time until the last row is visible on the
 target, until the slot confirms the end of the backlog, the machine's busy cores, our worker's
 CPU, and a third drain of the same backlog by ``pg_recvlogical`` into /dev/null (the walsender
-alone).
+alone). ``--sustained`` instead measures replication lag while pgbench writes at fixed rates
+(``apply_sustained.py``).
 
 Each contender runs with its defaults: applier asks for binary values (``--binary auto``: every
 table here has the same built-in types on both sides), the native subscription for text
@@ -26,10 +27,11 @@ table here has the same built-in types on both sides), the native subscription f
 both through a Unix-domain socket with ``--unix-socket`` (README, "A source on the same host").
 
 The modules: ``apply_workloads.py`` (settings, workloads, helpers), ``apply_measure.py`` (CPU and
-load from /proc), ``apply_drain.py`` (the drains and their tables).
+load from /proc), ``apply_drain.py`` (the drains and their tables), ``apply_sustained.py``.
 
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
                                     [--native-binary] [--unix-socket]
+    .venv/bin/python bench/apply.py --sustained [--rates 2000,5000,10000] [--duration 60] [--clients 4]
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from apply_drain import Run, medians, print_table, run_workload  # noqa: E402
 from apply_measure import load_average  # noqa: E402
+from apply_sustained import parse_rates, run_sustained  # noqa: E402
 from apply_workloads import SOURCE_SETTINGS, TARGET_SETTINGS, Workload, transport, workloads  # noqa: E402
 
 from applier.embedded import start_server  # noqa: E402
@@ -77,8 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated workload name prefixes, e.g. 'oltp,small', or "
                              "'pgbench 4,pgbench 8' for the multi-client drains (default: all)")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="run each workload this many times (fresh databases each time) and "
-                             "report the median of every figure: one run on a shared machine varies")
+                        help="run each workload (with --sustained: each contender's rates) this many "
+                             "times, on fresh databases each time, and report the median of every "
+                             "figure: one run on a shared machine varies")
     parser.add_argument("--native-binary", action="store_true",
                         help="create the native subscription WITH (binary = true); its default is "
                              "false, while applier asks for binary values by default (--binary "
@@ -87,6 +91,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="both contenders stream from the source through its Unix-domain socket "
                              "instead of TCP on 127.0.0.1 (a subscriber on the source's own host); "
                              "needs the binaries backend, not containers")
+    parser.add_argument("--sustained", action="store_true",
+                        help="instead of the drains: start each contender, let it catch up, then "
+                             "have pgbench write TPC-B (scale 10) at each of --rates for --duration "
+                             "seconds, and print the replication lag (heartbeat row written every "
+                             "50 ms on the source, read every 100 ms on the target), the source's "
+                             "achieved tps and CPU seconds per 1,000 transactions")
+    parser.add_argument("--rates", default="2000,5000,10000",
+                        help="with --sustained: comma-separated transactions per second pgbench is "
+                             "held to (pgbench --rate); 'max' for no limit, the most the source "
+                             "sustains (default 2000,5000,10000)")
+    parser.add_argument("--duration", type=float, default=60.0,
+                        help="with --sustained: seconds pgbench writes at each rate (default 60)")
+    parser.add_argument("--clients", type=int, default=4,
+                        help="with --sustained: pgbench clients (and threads) writing at once "
+                             "(default 4)")
     args = parser.parse_args(argv)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
@@ -101,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-apply-tgt")
     rows: list[tuple[Workload, Run]] = []
     try:
+        if args.sustained:
+            ok = run_sustained(source_server, target_server, parse_rates(args.rates), args.duration,
+                               args.clients, args.repeat, args.unix_socket)
+            print(f"load average at the end: {load_average()}")
+            return 0 if ok else 1
         index = 0
         for workload in chosen:
             print(f"{workload.name}: {workload.rows:,} row changes in {workload.transactions:,} transactions",

@@ -68,6 +68,18 @@ def _commit() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
+def _experiment(parser: argparse.ArgumentParser, text: str) -> tuple[str, dict[str, str]]:
+    """``--experiment LABEL:NAME=VALUE;...`` as (label, environment)."""
+    label, _, assignments = text.partition(":")
+    try:
+        env = dict(part.split("=", 1) for part in assignments.split(";") if part)
+    except ValueError:
+        parser.error(f"--experiment {text!r}: expected LABEL:NAME=VALUE;...")
+    if not label or not env:
+        parser.error(f"--experiment {text!r}: expected LABEL:NAME=VALUE;...")
+    return label, env
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
@@ -106,7 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=4,
                         help="with --sustained: pgbench clients (and threads) writing at once "
                              "(default 4)")
+    parser.add_argument("--worker-hooks", type=Path, metavar="DIR",
+                        help="run our worker through bench/probe_hooks.py, which counts and times "
+                             "its batch commits, durable flushes and reads, and keep its counters "
+                             "in DIR, one JSON file per run (read them with bench/probe_hooks.py "
+                             "--summary); adds a little of its own time")
+    parser.add_argument("--experiment", action="append", default=[], metavar="LABEL:NAME=VALUE;...",
+                        help="with --sustained: one more contender, our worker with these variables "
+                             "in its environment, shown as applier[LABEL]; for trying a change to "
+                             "the worker that a variable switches on, in the same run as the code "
+                             "without it (repeatable)")
     args = parser.parse_args(argv)
+    experiments = [_experiment(parser, text) for text in args.experiment]
+    if args.worker_hooks is not None:
+        args.worker_hooks.mkdir(parents=True, exist_ok=True)
     chosen = [w for w in workloads(args.scale)
               if not args.only or any(w.name.startswith(p.strip()) for p in args.only.split(","))]
     # An installed wheel has its bytecode; a checkout may not (PYTHONDONTWRITEBYTECODE), and
@@ -122,7 +147,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.sustained:
             ok = run_sustained(source_server, target_server, parse_rates(args.rates), args.duration,
-                               args.clients, args.repeat, args.unix_socket)
+                               args.clients, args.repeat, args.unix_socket, args.worker_hooks,
+                               experiments)
             print(f"load average at the end: {load_average()}")
             return 0 if ok else 1
         index = 0
@@ -132,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = []
             for _ in range(args.repeat):
                 runs.append(run_workload(workload, source_server, target_server, index, args.pg_version,
-                                         args.native_binary, args.unix_socket))
+                                         args.native_binary, args.unix_socket, args.worker_hooks))
                 index += 1
             rows.append((workload, medians(runs)))
     finally:

@@ -160,10 +160,20 @@ def _cpu_since(before: tuple[float | None, float | None], source: Database, targ
                  for b, a in zip(before, after))
 
 
+def worker_command(hooks: Path | None) -> tuple[list[str], dict[str, str]]:
+    """How to start our worker: ``python -m applier``, or with ``hooks`` (a file to write them
+    to) through bench/probe_hooks.py, which counts its commits and reads; and the environment
+    to add."""
+    if hooks is None:
+        return [sys.executable, "-m", "applier"], {}
+    return [sys.executable, str(ROOT / "bench" / "probe_hooks.py")], {"APPLIER_PROBE_OUT": str(hooks)}
+
+
 def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, work_mem: str,
-               end_lsn: str, detailed: bool) -> Result:
+               end_lsn: str, detailed: bool, hooks: Path | None = None) -> Result:
     """``applier run --exit-when-caught-up`` on ``slot``, from process start to exit."""
-    command = [sys.executable, "-m", "applier", "run", "--source", _with_work_mem(source_dsn, work_mem),
+    start, env = worker_command(hooks)
+    command = [*start, "run", "--source", _with_work_mem(source_dsn, work_mem),
                "--target", target.dsn, "--slot", slot, "--publication", "bench",
                "--exit-when-caught-up", "--log-level", "WARNING"]
     # The bookkeeping schema is made before the clock starts, as the native subscription is.
@@ -171,7 +181,7 @@ def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, w
     watch = DrainWatch(source, target, slot, end_lsn) if detailed else None
     cpu = _cpu_now(source, target)
     started = watch.start() if watch is not None else time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT)
+    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env})
     peak = 0
     while True:  # the peak resident size (VmHWM) as last seen before the worker exits
         peak = max(peak, peak_kb(proc.pid))
@@ -302,8 +312,10 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
-                 index: int, pg_version: int, native_binary: bool, unix_socket: bool) -> Run:
-    """One run of ``workload``: fresh databases, the backlog, every drain, the checks."""
+                 index: int, pg_version: int, native_binary: bool, unix_socket: bool,
+                 hooks_dir: Path | None = None) -> Run:
+    """One run of ``workload``: fresh databases, the backlog, every drain, the checks; with
+    ``hooks_dir``, our worker's counters (bench/probe_hooks.py) in a file there per run."""
     source = source_server.create_database(f"bench_src_{index}")
     source_dsn = stream_dsn(source, unix_socket)
     ours = target_server.create_database(f"bench_ours_{index}")
@@ -322,8 +334,11 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     source.execute("CHECKPOINT")
     checkpoint(target_server)
     print("  draining with applier ...", flush=True)
+    hooks = None
+    if hooks_dir is not None:
+        hooks = hooks_dir / f"{''.join(c if c.isalnum() else '-' for c in workload.name)}-{index}.json"
     mine = drain_ours(source, source_dsn, ours, "bench_ours", workload.decoding_work_mem, end_lsn,
-                      detailed)
+                      detailed, hooks)
     checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
     theirs = drain_native(source, source_dsn, native, "bench_native", workload.decoding_work_mem,

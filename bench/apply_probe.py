@@ -210,64 +210,6 @@ def _details(kind: str, out_dir: Path) -> list[str]:
     if kind == "hooks":
         return summary(json.loads((out_dir / "hooks.json").read_text()))
     if kind == "pyspy":
-            command = [str(Path(sys.executable).with_name("py-spy")), "record", "--idle", "--nonblocking",
-                       "--rate", str(rate), "--format", "raw", "--output", str(out_dir / "pyspy.txt"),
-                       "--", *command]
-        elif kind == "strace":
-            command = ["strace", "-c", "-f", "-o", str(out_dir / "strace.txt"), *command]
-        proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env},
-                                stdout=subprocess.DEVNULL if kind == "pyspy" else None)
-        _, status, usage = os.wait4(proc.pid, 0)
-        probe.seconds = time.monotonic() - started
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        if proc.returncode != 0:
-            raise SystemExit(f"{variant}: exited with status {proc.returncode}")
-        probe.worker_cpu = usage.ru_utime + usage.ru_stime  # strace's and py-spy's own included
-        watch.wait()
-    probe.visible = watch.visible
-    if sampler is not None:
-        sampler.stop()
-        probe.waits = dict(sampler.counts)
-    released(source, slot)
-    after = (exited_cpu(source.cluster), exited_cpu(target.cluster))
-    probe.walsender_cpu = None if None in (cpu[0], after[0]) else after[0] - cpu[0]  # type: ignore[operator]
-    probe.target_cpu = None if None in (cpu[1], after[1]) else after[1] - cpu[1]  # type: ignore[operator]
-    time.sleep(1.5)  # the backends' and the WAL writer's statistics have been reported
-    commits_after, fsyncs_after = _target_counters(target)
-    probe.commits = commits_after - commits
-    probe.wal_fsyncs = None if fsyncs is None or fsyncs_after is None else fsyncs_after - fsyncs
-    if native:
-        target.execute("ALTER SUBSCRIPTION probe SET (slot_name = NONE)")
-        target.execute("DROP SUBSCRIPTION probe")
-    probe.equal = same(source, target, tables)
-    probe.extra = _details(kind, out_dir)
-    return probe
-
-
-def _details(kind: str, out_dir: Path) -> list[str]:
-    """What the hooks, py-spy or strace wrote, summed up."""
-    if kind == "hooks":
-        counts = json.loads((out_dir / "hooks.json").read_text())
-        flushes = counts["flushes"]
-        durable = [f for f in flushes if f[1]]
-        lines = [f"stream loop from {counts['loop_started']:.3f} s for {counts['loop_seconds']:.3f} s; "
-                 f"exit at {counts['exit']:.3f} s",
-                 f"batch commits {len(flushes)} ({len(durable)} durable, at a pause in the stream), "
-                 f"{sum(f[4] for f in flushes):.3f} s in them ({sum(f[4] for f in durable):.3f} s in "
-                 f"the durable ones); parts sent ahead {counts['sent_ahead']}",
-                 f"durable progress rewrites (flush_wal) {len(counts['flush_wal'])}, "
-                 f"{sum(f[1] for f in counts['flush_wal']):.3f} s in them"]
-        if flushes:
-            txs = sorted(f[2] for f in flushes)
-            took = sorted(f[4] for f in flushes)
-            lines.append(f"source transactions per batch: median {txs[len(txs) // 2]}, min {txs[0]}, "
-                         f"max {txs[-1]}; commit time per batch: median {took[len(took) // 2] * 1000:.2f} ms, "
-                         f"max {took[-1] * 1000:.2f} ms")
-        lines.append(f"reads {counts['reads']} ({counts['empty_reads']} empty), {counts['payloads']} "
-                     f"payloads, {counts['read_seconds']:.3f} s in reads; lane and assembler "
-                     f"{counts['feed_seconds']:.3f} s")
-        return lines
-    if kind == "pyspy":
         return _pyspy_summary(out_dir / "pyspy.txt")
     if kind == "strace":
         text = (out_dir / "strace.txt").read_text().splitlines()

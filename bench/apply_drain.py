@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
@@ -77,6 +77,7 @@ class Run:
     alone: float
     ceiling: tuple[float, int]
     floor: Result | None = None
+    each: list[Run] = field(default_factory=list)  # for a median: the runs it is the median of
 
 
 class DrainWatch:
@@ -378,7 +379,7 @@ def medians(runs: list[Run]) -> Run:
     return Run(_median_result([r.mine for r in runs]), _median_result([r.theirs for r in runs]),
                statistics.median(r.alone for r in runs),
                (statistics.median(r.ceiling[0] for r in runs), runs[0].ceiling[1]),
-               _median_result(floors) if floors else None)
+               _median_result(floors) if floors else None, runs)
 
 
 def _seconds(value: float | None) -> str:
@@ -436,6 +437,13 @@ def _print_details(rows: list[tuple[Workload, Run]], runs_note: str) -> None:
             print(f"{'':<26} {'pg_recvlogical':<15} {floor.seconds:>9.2f} {_seconds(floor.confirmed):>11} "
                   f"{'':>6} {_seconds(floor.cores):>6} {_seconds(floor.worker_cpu):>10} {'':>8} "
                   f"{_seconds(floor.source_cpu):>8}")
+        if len(run.each) > 1:
+            def each(pick: str) -> str:
+                return "; ".join(f"{name} " + ", ".join(_seconds(getattr(getattr(r, attr), pick))
+                                                         for r in run.each)
+                                 for name, attr in (("applier", "mine"), ("native", "theirs")))
+            print(f"{'':<26} each run, visible s: {each('visible')}")
+            print(f"{'':<26} each run, confirmed s: {each('confirmed')}")
         if run.theirs.visible and run.mine.visible:
             print(f"{'':<26} ours / native: visible {run.theirs.visible / run.mine.visible:.2f}x"
                   + (f", confirmed {run.theirs.confirmed / run.mine.confirmed:.2f}x"

@@ -38,11 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from apply import (  # noqa: E402
+from apply_workloads import (  # noqa: E402
+    MARKER_TABLE,
     SOURCE_SETTINGS,
     Workload,
-    _pgbench,
     _with_work_mem,
+    prepare,
+    published_tables,
     stream_dsn,
     stream_protocol,
     transport,
@@ -152,14 +154,13 @@ def drain(source: Database, source_dsn: str, slot: str, work_mem: str, end: LSN,
 
 
 def _backlog(workload: Workload, db: Database, slots: Sequence[str]) -> LSN:
-    if workload.pgbench_init:
-        _pgbench(db, "-i", "-s", "1", "-q")
-    if workload.setup_sql:
-        db.execute(workload.setup_sql)
-    db.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(workload.tables)}")
+    prepare(workload, db)
+    db.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(published_tables(workload))}")
     for slot in slots:
         db.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     workload.write(db)
+    if workload.marker:
+        db.execute(f"INSERT INTO {MARKER_TABLE} VALUES (1)")
     end = LSN.parse(db.query("SELECT pg_current_wal_lsn()::text")[0][0])
     db.execute("CHECKPOINT")
     return end

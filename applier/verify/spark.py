@@ -1,4 +1,4 @@
-"""``applier verify --engine spark``: the same comparison as the SQL engine, computed by Spark.
+"""``applier verify --engine spark``: the comparison of :mod:`.sql`, computed by Spark.
 
 Owns: reading both sides through :mod:`applier.spark.reader` (the target snapshot first, then the
 source, each exported and held open for the whole comparison), per-range counts and hash sums,
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from .spark.reader import Snapshot, open_snapshot, quote_ident, read_table
-from .verify import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec, VerifyReport
+from ..spark.reader import Snapshot, open_snapshot, read_table
+from .report import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec, VerifyReport
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -41,7 +41,7 @@ def _prepared(spark: SparkSession, snap: Snapshot, spec: TableSpec, where: str |
     """(k0, k1, ..., row hash) per row, or (row, row hash) for a table without a key."""
     from pyspark.sql import functions as F
 
-    frame = read_table(spark, f"{quote_ident(spec.schema)}.{quote_ident(spec.name)}", snap,
+    frame = read_table(spark, spec.qualified.as_string(), snap,
                        columns=list(spec.columns), where=where,
                        text_columns=[c for c in spec.columns if c not in spec.key])
     # to_json leaves out NULL fields, so NULL and '' (or a moved value) hash differently.

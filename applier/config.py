@@ -298,7 +298,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
            "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
            commands=("status",)),
-    # -- verify and pipeline (applier/verify.py, applier/spark) -----------------------------------
+    # -- verify and pipeline (applier/verify/, applier/spark) -------------------------------------
     Option("table", "Compare only this published table (schema.table or table); repeatable. "
            "Default: every table of the publications.", kind="list", default=[], repeatable=True,
            metavar="TABLE", commands=("verify",)),

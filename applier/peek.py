@@ -69,6 +69,10 @@ from .connections import connect
 from .exit_codes import ExitCode
 from .protocol import LSN, DecodeError, decode
 from .protocol.messages import (
+    KIND_BINARY,
+    KIND_NULL,
+    KIND_TEXT,
+    KIND_UNCHANGED,
     RelationColumn,
     ReplicationMessage,
     StreamStart,
@@ -81,7 +85,7 @@ from .source.slots import SlotInfo, publications_missing, slot_info
 
 __all__ = ["peek", "PeekError", "message_to_json", "sql_options"]
 
-_KIND_NAMES = {ord(k): k for k in "ntub"}
+_KIND_NAMES = {KIND_NULL: "n", KIND_TEXT: "t", KIND_UNCHANGED: "u", KIND_BINARY: "b"}
 #: Seconds a slot may stay active before peek reports its holder: a WAL sender whose client has
 #: just gone (a peek just before, a worker just stopped) releases the slot a moment later.
 _RELEASE_GRACE = 1.0
@@ -304,6 +308,6 @@ def _value(value: Any) -> Any:
 def _column(kind: int, value: bytes | None | Unchanged) -> dict[str, Any]:
     if not isinstance(value, bytes):
         return {"kind": _KIND_NAMES[kind], "value": None}
-    if kind == ord("b"):
+    if kind == KIND_BINARY:
         return {"kind": "b", "value": value.hex()}
     return {"kind": "t", "value": value.decode("utf-8", errors="replace")}

@@ -10,8 +10,9 @@ Public API: ``Assembler``, the ``TransactionSink`` protocol the apply stage impl
 to a sink), ``TransactionStart``/``TransactionEnd`` and ``ProtocolSequenceError``.
 """
 
-from .assembler import Assembler, deliver
+from .assembler import Assembler
 from .errors import ProtocolSequenceError
+from .replay import deliver
 from .sink import Change, EarlyApply, TransactionEnd, TransactionSink, TransactionStart
 
 __all__ = ["Assembler", "Change", "EarlyApply", "ProtocolSequenceError", "TransactionEnd",

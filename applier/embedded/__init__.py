@@ -2,8 +2,10 @@
 
 Owns: choosing a backend (plain binaries run locally, or Docker containers)
 and handing out running servers with the standard source/target settings.
-Submodules: :mod:`.binaries` (find/install server binaries), :mod:`.cluster`
-(local clusters, settings, database helpers), :mod:`.containers` (Docker).
+Submodules: :mod:`.binaries` (find/install server binaries), :mod:`.settings`
+(the standard server settings), :mod:`.server` (the interface every backend
+offers, database helpers), :mod:`.cluster` (local clusters), :mod:`.containers`
+(Docker).
 
 Must never: be imported by the applier's data path (protocol, assembler,
 apply, progress), touch servers it did not start, or run a server as root.
@@ -28,14 +30,9 @@ from .binaries import (
     find_or_install_binaries,
     server_user,
 )
-from .cluster import (
-    ClusterError,
-    Database,
-    LocalCluster,
-    PostgresServer,
-    ServerSettings,
-    StopMode,
-)
+from .cluster import LocalCluster
+from .server import ClusterError, Database, PostgresServer, StopMode
+from .settings import ServerSettings
 
 __all__ = [
     "Backend",

@@ -2,9 +2,8 @@
 
 Owns: the life cycle of one scratch cluster (initdb, settings, start on
 127.0.0.1 with a free port, readiness wait, stop/restart, removal of its
-directory), the standard source/target server settings, and the database-level
-helpers shared by every backend (create a database, drop one together with the
-replication slots, prepared transactions and subscriptions that pin it).
+directory). Its standard settings come from :mod:`.settings`; the database
+operations it offers are those of :mod:`.server`, shared with every backend.
 
 Must never: touch a cluster it did not create, listen on anything but
 127.0.0.1 and, only when asked (``unix_socket=True``, for measurements of that
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -26,233 +24,19 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any
 from urllib.parse import quote
 
 import psycopg
-from psycopg import sql
 
 from .binaries import ServerUser, find_or_install_binaries, server_major_version, server_user
+from .server import ClusterError, Database, StopMode, create_database, drop_database
+from .settings import ServerSettings, conf_value
 
-__all__ = [
-    "ClusterError",
-    "Database",
-    "LocalCluster",
-    "PostgresServer",
-    "ServerSettings",
-    "StopMode",
-    "create_database",
-    "drop_database",
-]
+__all__ = ["LocalCluster"]
 
-StopMode = Literal["smart", "fast", "immediate"]
-
-
-class ClusterError(RuntimeError):
-    """A local cluster failed to initialise, start or stop (message includes the log tail)."""
-
-
-# ------------------------------------------------------------------ settings
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """postgresql.conf settings; ``values`` maps parameter name to value."""
-
-    values: Mapping[str, str] = field(default_factory=dict)
-
-    @staticmethod
-    def source(**overrides: object) -> ServerSettings:
-        """Settings for a logical-replication source (streaming above 64kB)."""
-        base: dict[str, str] = {
-            "wal_level": "logical",
-            "max_wal_senders": "20",
-            "max_replication_slots": "20",
-            "max_prepared_transactions": "20",
-            "logical_decoding_work_mem": "64kB",
-            "track_commit_timestamp": "on",
-            "fsync": "off",
-            "full_page_writes": "off",
-            "max_connections": "100",
-            "shared_buffers": "64MB",
-        }
-        base.update({k: _conf_str(v) for k, v in overrides.items()})
-        return ServerSettings(base)
-
-    @staticmethod
-    def target(**overrides: object) -> ServerSettings:
-        """Settings for a target; identical to a source so it can be one too."""
-        return ServerSettings.source(**overrides)
-
-    def merged(self, other: Mapping[str, object]) -> ServerSettings:
-        return ServerSettings({**self.values, **{k: _conf_str(v) for k, v in other.items()}})
-
-    def as_dict(self) -> dict[str, str]:
-        return dict(self.values)
-
-    def as_command_args(self) -> list[str]:
-        """``["-c", "name=value", ...]`` for a ``postgres`` command line."""
-        out: list[str] = []
-        for name, value in self.values.items():
-            out += ["-c", f"{name}={value}"]
-        return out
-
-    def as_conf(self) -> str:
-        lines = [f"{_check_name(k)} = '{v.replace(chr(39), chr(39) * 2)}'"
-                 for k, v in self.values.items()]
-        return "\n".join(lines) + "\n"
-
-
-def _conf_str(value: object) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return str(value)
-
-
-def _check_name(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", name):
-        raise ValueError(f"invalid configuration parameter name {name!r}")
-    return name
-
-
-# --------------------------------------------------------- backend interface
-
-@runtime_checkable
-class PostgresServer(Protocol):
-    """What tests, ``applier demo`` and benchmarks need from a running server."""
-
-    name: str
-
-    @property
-    def version(self) -> int: ...
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-    @property
-    def pgbench_path(self) -> Path: ...
-    @property
-    def psql_path(self) -> Path: ...
-    @property
-    def log_path(self) -> Path | None: ...
-
-    def dsn(self, dbname: str = "postgres") -> str: ...
-    def start(self) -> None: ...
-    def stop(self, mode: StopMode = "fast") -> None: ...
-    def restart(self) -> None: ...
-    def cleanup(self) -> None: ...
-    def create_database(self, name: str) -> Database: ...
-    def drop_database(self, name: str) -> None: ...
-
-
-@dataclass
-class Database:
-    """One database on a server, with small synchronous helpers for tests and tools."""
-
-    name: str
-    dsn: str
-    cluster: PostgresServer
-    version: int
-
-    def connect(self, **kwargs: Any) -> psycopg.Connection[Any]:
-        """A psycopg 3 connection (autocommit unless ``autocommit=False`` is given)."""
-        kwargs.setdefault("autocommit", True)
-        return psycopg.connect(self.dsn, **kwargs)
-
-    def execute(self, query: str | sql.Composable, params: Sequence[Any] | Mapping[str, Any] | None = None) -> None:
-        with self.connect() as conn:
-            conn.execute(query, params)  # type: ignore[arg-type]
-
-    def query(self, query: str | sql.Composable,
-              params: Sequence[Any] | Mapping[str, Any] | None = None) -> list[tuple[Any, ...]]:
-        with self.connect() as conn:
-            return conn.execute(query, params).fetchall()  # type: ignore[arg-type]
-
-
-# ------------------------------------------------- database-level operations
-
-def create_database(admin_dsn: str, name: str) -> None:
-    """``CREATE DATABASE name`` through the maintenance connection ``admin_dsn``."""
-    with psycopg.connect(admin_dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-
-
-def drop_database(admin_dsn: str, dsn_for: Any, name: str, *, attempts: int = 5) -> None:
-    """Drop ``name`` and everything pinning it; a missing database is fine.
-
-    Order: terminate walsenders of the database's replication slots and drop
-    those slots, roll back its prepared transactions, drop its subscriptions,
-    then ``DROP DATABASE ... WITH (FORCE)`` (which terminates other backends).
-    ``dsn_for(dbname)`` builds a DSN for a database on the same server.
-    """
-    last: Exception | None = None
-    for attempt in range(attempts):
-        try:
-            with psycopg.connect(admin_dsn, autocommit=True) as conn:
-                exists = conn.execute(
-                    "SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
-                if not exists:
-                    return
-                _drop_slots(conn, name)
-                gids = [r[0] for r in conn.execute(
-                    "SELECT gid FROM pg_prepared_xacts WHERE database = %s", (name,))]
-                subs = [r[0] for r in conn.execute(
-                    "SELECT s.subname FROM pg_subscription s "
-                    "JOIN pg_database d ON d.oid = s.subdbid WHERE d.datname = %s", (name,))]
-                if gids or subs:
-                    _clear_db_objects(dsn_for(name), gids, subs)
-                    _drop_slots(conn, name)  # subscriptions may have created some
-                conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-                             .format(sql.Identifier(name)))
-                return
-        except psycopg.Error as exc:
-            last = exc
-            time.sleep(0.2 * (attempt + 1))
-    raise ClusterError(f"could not drop database {name!r}: {last}") from last
-
-
-def _drop_slots(conn: psycopg.Connection[Any], dbname: str) -> None:
-    rows = conn.execute(
-        "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s",
-        (dbname,)).fetchall()
-    for slot_name, pid in rows:
-        if pid is not None:
-            conn.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
-        for i in range(50):
-            try:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot_name,))
-                break
-            except psycopg.errors.UndefinedObject:
-                break
-            except psycopg.errors.ObjectInUse:
-                # the walsender is still exiting (or reconnected): terminate again
-                active = conn.execute(
-                    "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
-                    (slot_name,)).fetchone()
-                if active and active[0] is not None:
-                    conn.execute("SELECT pg_terminate_backend(%s, 5000)", (active[0],))
-                time.sleep(0.05 * min(i + 1, 10))
-        else:
-            raise ClusterError(f"replication slot {slot_name!r} stays active")
-
-
-def _clear_db_objects(dsn: str, gids: list[str], subs: list[str]) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for gid in gids:
-            try:
-                conn.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
-            except psycopg.errors.UndefinedObject:
-                pass
-        for sub in subs:
-            ident = sql.Identifier(sub)
-            conn.execute(sql.SQL("ALTER SUBSCRIPTION {} DISABLE").format(ident))
-            conn.execute(sql.SQL("ALTER SUBSCRIPTION {} SET (slot_name = NONE)").format(ident))
-            conn.execute(sql.SQL("DROP SUBSCRIPTION {}").format(ident))
-
-
-# --------------------------------------------------------------- the cluster
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -291,11 +75,7 @@ class LocalCluster:
     ) -> None:
         self.name = name
         self.bin_dir = Path(bin_dir)
-        if settings is None:
-            settings = ServerSettings.source()
-        elif not isinstance(settings, ServerSettings):
-            settings = ServerSettings({k: _conf_str(v) for k, v in settings.items()})
-        self.settings: ServerSettings = settings
+        self.settings: ServerSettings = ServerSettings.of(settings)
         self.start_timeout = start_timeout
         self.user: ServerUser = server_user()
         self._version: int | None = None
@@ -442,11 +222,11 @@ class LocalCluster:
             for attempt in range(5):
                 if not self._port or attempt:
                     self._port = _free_port()
-                sockets = "" if self.socket_dir is None else str(self.socket_dir).replace("'", "''")
+                sockets = "" if self.socket_dir is None else str(self.socket_dir)
                 self._write_owned(
                     self.data_dir / "applier_port.conf",
                     f"listen_addresses = '127.0.0.1'\nport = {self._port}\n"
-                    f"unix_socket_directories = '{sockets}'\n")
+                    f"unix_socket_directories = {conf_value(sockets)}\n")
                 if not self.log_path.exists():
                     self._write_owned(self.log_path, "")
                 proc = self._run(

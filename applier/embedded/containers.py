@@ -23,7 +23,8 @@ from urllib.parse import quote
 import psycopg
 
 from .binaries import find_or_install_binaries
-from .cluster import Database, ServerSettings, StopMode, _conf_str, create_database, drop_database
+from .server import Database, StopMode, create_database, drop_database
+from .settings import ServerSettings
 
 __all__ = ["ContainerCluster", "docker_available"]
 
@@ -53,12 +54,8 @@ class ContainerCluster:
         name: str = "pg",
         image: str | None = None,
     ) -> None:
-        if settings is None:
-            settings = ServerSettings.source()
-        elif not isinstance(settings, ServerSettings):
-            settings = ServerSettings({k: _conf_str(v) for k, v in settings.items()})
         self.name = name
-        self.settings: ServerSettings = settings
+        self.settings: ServerSettings = ServerSettings.of(settings)
         self.image = image or f"postgres:{major}"
         self._major = major
         self._password = secrets.token_hex(12)

@@ -1,9 +1,10 @@
 """Reading the replica with Apache Spark (PySpark over JDBC): consistent partitioned reads.
 
 Owns: the quiet SparkSession factory (:mod:`.session`), consistent snapshot reads of replicated
-tables with lossless type handling and the source position they reflect (:mod:`.reader`), and
-the example pipeline job (:mod:`.pipeline`). Must never write to the replica, and must never be
-imported by the applier's data path; PySpark is imported only when a function here is called.
+tables (:mod:`.reader`) in one exported snapshot with the source position it reflects
+(:mod:`.snapshot`) and lossless type handling (:mod:`.columns`), and the example pipeline job
+(:mod:`.pipeline`). Must never write to the replica, and must never be imported by the
+applier's data path; PySpark is imported only when a function here is called.
 """
 
 from __future__ import annotations

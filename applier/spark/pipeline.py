@@ -35,13 +35,16 @@ from typing import TYPE_CHECKING, Any
 from .. import cli
 from ..config import Settings
 from ..exit_codes import ExitCode
-from .reader import describe_table, open_snapshot, read_table
+from ..quoting import ident
+from .columns import describe_table
+from .reader import read_table
 from .session import SparkUnavailable, spark_session
+from .snapshot import open_snapshot
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-    from .reader import Snapshot
+    from .snapshot import Snapshot
 
 __all__ = ["main", "run_pipeline", "run_pipeline_job"]
 
@@ -66,15 +69,13 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
     from pyspark.sql import functions as F
 
     lsn = str(previous["commit_lsn"])
-    column = settings.lsn_column.replace('"', '""')
     group_by, measure = settings.group_by, settings.measure
     changed = read_table(spark, table, snap, columns=[group_by],
-                         where=f'"{column}" > {snap.literal(lsn)}::pg_lsn')
+                         where=f"{ident(settings.lsn_column)} > {snap.literal(lsn)}::pg_lsn")
     groups = [row[0] for row in changed.distinct().collect()]
     old = spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn")
-    group_col = group_by.replace('"', '""')
     if groups:
-        in_groups = f'"{group_col}" = ANY({snap.literal(groups)})'
+        in_groups = f"{ident(group_by)} = ANY({snap.literal(groups)})"
         recomputed = _aggregate(read_table(spark, table, snap, columns=[group_by, measure],
                                            where=in_groups), group_by, measure)
         kept = old.where(~F.col(group_by).isin(groups) | F.col(group_by).isNull())

@@ -98,7 +98,8 @@ class PublicationFollower:
         if (schema, name) in self.published:
             return
         tables = self._published()
-        if tables is not None and (schema, name) in {t.key for t in tables}:  # else a partition published through its root
+        # A partition published through its root is not listed itself: nothing to do for it.
+        if tables is not None and (schema, name) in {t.key for t in tables}:
             self._notice(tables)
 
     def _published(self) -> list[PublishedTable] | None:

@@ -1,6 +1,7 @@
-"""Two-phase source transactions (``apply.twophase``) without a server: where a prepared
-transaction's changes go in each mode, what is recorded at the prepare and at its end, and that
-a prepare seen again after a restart is not applied twice."""
+"""Two-phase source transactions (``apply.twophase``) without a server: which mode the target's
+max_prepared_transactions allows, the GID a prepared transaction gets on the target, where its
+changes go in each mode, what is recorded at the prepare and at its end, and that a prepare seen
+again after a restart is not applied twice."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fake_target import Rig, relation, rig
 from test_apply_dispatch import T0, insert, transaction
 
 from applier.apply.handlers import default_handlers
-from applier.apply.twophase import TwoPhase, target_gid
+from applier.apply.twophase import GID_MAX_BYTES, TwoPhase, resolve_mode, target_gid
 from applier.assembler import TransactionEnd, TransactionStart
 from applier.protocol.lsn import LSN
 from applier.protocol.messages import CommitPrepared, RollbackPrepared
@@ -97,3 +98,18 @@ def test_rollback_prepared_leaves_nothing_and_moves_only_the_end_position(mode: 
     assert progress is not None and (progress.commit_lsn, progress.end_lsn) == (LSN(0x100), LSN(0x208))
     committed = [s for t in r.target.transactions for s in t if s.startswith('INSERT INTO "public"')]
     assert len(committed) == 1  # transaction 799's row; nothing of the rolled-back one
+
+
+def test_two_phase_mode_follows_max_prepared_transactions() -> None:
+    assert resolve_mode("auto", 10) == "prepare"
+    assert resolve_mode("auto", 0) == "defer"
+    assert resolve_mode("defer", 10) == "defer"
+    with pytest.raises(ValueError, match="max_prepared_transactions > 0"):
+        resolve_mode("prepare", 0)
+
+
+def test_gid_is_ours_and_fits() -> None:
+    slot = "s" * 63  # the longest slot name PostgreSQL allows
+    gid = target_gid(slot, 4294967295, 4294967295)
+    assert gid.startswith("applier_4294967295_4294967295_") and len(gid.encode()) <= GID_MAX_BYTES
+    assert target_gid("a", 1, 2) != target_gid("a", 2, 2) != target_gid("b", 1, 2)

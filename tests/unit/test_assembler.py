@@ -31,7 +31,7 @@ from assembler_helpers import (
 )
 
 from applier.assembler import Assembler, ProtocolSequenceError, TransactionEnd, TransactionStart
-from applier.assembler.assembler import HEARTBEAT_EVERY, REPLAY_CHUNK
+from applier.assembler.replay import HEARTBEAT_EVERY, REPLAY_CHUNK
 from applier.protocol import (
     LSN,
     Delete,

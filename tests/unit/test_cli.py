@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from applier import cli
-from applier.cli import COMMANDS, main, parse_settings
+from applier.cli import COMMANDS, build_parser, main, parse_settings
 from applier.config import OPTIONS, options_for
 from applier.exit_codes import ExitCode
 
@@ -174,3 +174,31 @@ def test_pipeline_module_runs_as_the_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "applier.spark.pipeline", "--help"],
                           capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0 and proc.stdout.startswith("usage: applier pipeline "), proc.stderr
+
+
+@pytest.mark.parametrize("flags, value", [
+    ([], None), (["--binary", "auto"], "auto"), (["--binary", "off"], "off"),
+    (["--binary"], "on"), (["--no-binary"], "off"),  # the flags of the boolean it once was
+])
+def test_binary_on_the_command_line(flags: list[str], value: str | None) -> None:
+    args = build_parser().parse_args(["run", *flags])
+    assert args.binary == value
+
+
+def test_skip_and_status_commands_have_their_options() -> None:
+    args = build_parser().parse_args(["skip", "--target", "t", "--slot", "s", "--lsn", "0/1"])
+    assert (args.command, args.lsn) == ("skip", "0/1")
+    args = build_parser().parse_args(["status", "--target", "t", "--slot", "s", "--json"])
+    assert (args.command, args.json) == ("status", True)
+
+
+def test_sync_takes_every_apply_option_of_run() -> None:
+    """applier sync continues as run, so the apply options of run are its options too."""
+    args = build_parser().parse_args([
+        "sync", "--source", "s", "--target", "t", "--slot", "x", "--publication", "p",
+        "--two-phase-mode", "defer", "--skip-origin", "a", "--replication-origin", "none",
+        "--message-sink", "log", "--message-prefix", "app*", "--conflict-policy", "error",
+        "--skip-lsn", "0/10"])
+    assert (args.command, args.two_phase_mode, args.message_sink, args.skip_lsn) == (
+        "sync", "defer", "log", "0/10")
+    assert (args.skip_origin, args.conflict_policy) == (["a"], ["error"])

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from applier.cli import build_parser
 from applier.config import (
     OPTIONS,
     ConfigError,
@@ -19,8 +20,11 @@ from applier.config import (
     load_settings,
     mask_dsn,
     options_for,
+    parse_conflict_policies,
     parse_size,
+    parse_table_name,
 )
+from applier.protocol import LSN
 from applier.units import format_size
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,3 +202,45 @@ def test_defaults_come_from_the_table_per_command() -> None:
 def test_bad_values_of_every_command_are_named(command: str, values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(command, values, None, {})
+
+
+def test_conflict_policies_default_and_per_table() -> None:
+    default, tables = parse_conflict_policies(
+        ["error", "orders=keep-local", 'Sales."Big Table"=apply', '"MiXed".x=ERROR'])
+    assert default == "error"
+    assert tables == {("public", "orders"): "keep-local", ("sales", "Big Table"): "apply",
+                      ("MiXed", "x"): "error"}
+    assert parse_conflict_policies([]) == ("apply", {})
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("ignore", "not one of apply, error, keep-local"),
+    ("t=upsert", "not one of"),
+    ("a.b.c=apply", "not a table name"),
+    ('"open=apply', "not a table name"),
+])
+def test_bad_conflict_policies_are_named(entry: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings("run", {"conflict_policy": [entry]}, None, {})
+
+
+def test_table_names() -> None:
+    assert parse_table_name("t") == ("public", "t")
+    assert parse_table_name('"a""b".C') == ('a"b', "c")
+    assert parse_table_name('s."x.y"') == ("s", "x.y")
+
+
+def test_repeatable_options_from_the_command_line_and_environment() -> None:
+    args = build_parser().parse_args([
+        "run", "--skip-origin", "a,b", "--skip-origin", "c", "--conflict-policy", "error",
+        "--conflict-policy", "t=apply", "--message-prefix", "app*", "--skip-lsn", "16/B374D848"])
+    values = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    settings = load_settings("run", values, None, {"APPLIER_MESSAGE_PREFIX": "x,y"})
+    assert settings.skip_origin == ["a,b", "c"]  # a name may contain a comma on the command line
+    assert settings.conflict_policy == ["error", "t=apply"]
+    assert settings.message_prefix == ["app*"]
+    assert settings.skip_lsn == LSN.parse("16/B374D848")
+    assert load_settings("run", {}, None, {"APPLIER_SKIP_ORIGIN": "a, b"}).skip_origin == ["a", "b"]
+    assert load_settings("run", {}, None, {}).two_phase_mode == "auto"
+    with pytest.raises(ConfigError, match="invalid LSN"):
+        load_settings("skip", {"lsn": "12345"}, None, {})

@@ -1,4 +1,4 @@
-"""``applier verify --engine spark``: the same comparison as the SQL engine, computed by Spark.
+"""``applier verify --engine spark``: the comparison of :mod:`.sql`, computed by Spark.
 
 Owns: reading both sides through :mod:`applier.spark.reader` (the target snapshot first, then the
 source, each exported and held open for the whole comparison), per-range counts and hash sums,
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from .spark.reader import Snapshot, open_snapshot, quote_ident, read_table
-from .verify import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec, VerifyReport
+from ..spark.reader import Snapshot, open_snapshot, read_table, spark_column
+from .report import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec, VerifyReport
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -33,20 +33,16 @@ def compare_spark(spark: SparkSession, source_dsn: str, target_dsn: str, specs: 
     return VerifyReport("spark", source.position.wal_lsn, positions, 1, results)
 
 
-def _bq(name: str) -> str:
-    return "`" + name.replace("`", "``") + "`"
-
-
 def _prepared(spark: SparkSession, snap: Snapshot, spec: TableSpec, where: str | None) -> DataFrame:
     """(k0, k1, ..., row hash) per row, or (row, row hash) for a table without a key."""
     from pyspark.sql import functions as F
 
-    frame = read_table(spark, f"{quote_ident(spec.schema)}.{quote_ident(spec.name)}", snap,
+    frame = read_table(spark, spec.qualified.as_string(), snap,
                        columns=list(spec.columns), where=where,
                        text_columns=[c for c in spec.columns if c not in spec.key])
     # to_json leaves out NULL fields, so NULL and '' (or a moved value) hash differently.
-    row = F.to_json(F.struct(*[F.col(_bq(c)).cast("string").alias(c) for c in spec.columns]))
-    keys = [F.col(_bq(k)).cast("string").alias(f"k{i}") for i, k in enumerate(spec.key)] or [row.alias("k0")]
+    row = F.to_json(F.struct(*[F.col(spark_column(c)).cast("string").alias(c) for c in spec.columns]))
+    keys = [F.col(spark_column(k)).cast("string").alias(f"k{i}") for i, k in enumerate(spec.key)] or [row.alias("k0")]
     return frame.select(*keys, F.md5(row).alias("h"))
 
 

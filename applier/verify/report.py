@@ -1,0 +1,114 @@
+"""What ``applier verify`` compares and what it found, whichever engine compared.
+
+Owns: the description of one table to compare (``TableSpec``), the result per table
+(``TableResult``) and for the whole run (``VerifyReport``, also as JSON), the aligned text form
+of a report, the range sizes both engines aim at, and ``VerifyError``. Pure data and formatting:
+must never connect to a database or import an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from psycopg import sql
+
+__all__ = ["MAX_RANGES", "ROWS_PER_RANGE", "TableResult", "TableSpec", "VerifyError", "VerifyReport",
+           "format_table"]
+
+#: Rows per range aimed at: small enough that re-reading a differing range is cheap.
+ROWS_PER_RANGE = 5_000
+MAX_RANGES = 4_096
+
+
+class VerifyError(RuntimeError):
+    """A problem that prevents comparing at all (bad publication, unreachable database)."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What is compared for one table: published columns, key, and the source row filter."""
+    schema: str
+    name: str
+    columns: tuple[str, ...]
+    key: tuple[str, ...]  # empty: no key, rows are compared as a multiset
+    integer_key: bool  # a single int2/int4/int8 key column: ranges are key ranges
+    row_filter: str | None  # the publication's WHERE, applied on the source only
+
+    @property
+    def display(self) -> str:
+        return f"{self.schema}.{self.name}"
+
+    @property
+    def qualified(self) -> sql.Composed:
+        return sql.SQL("{}.{}").format(sql.Identifier(self.schema), sql.Identifier(self.name))
+
+
+@dataclass
+class TableResult:
+    table: str
+    source_rows: int = 0
+    target_rows: int = 0
+    ranges: int = 0
+    differing_ranges: int = 0
+    missing: list[list[str | None]] = field(default_factory=list)  # on the source, not the target
+    extra: list[list[str | None]] = field(default_factory=list)    # on the target, not the source
+    changed: list[list[str | None]] = field(default_factory=list)  # same key, different values
+    missing_count: int = 0
+    extra_count: int = 0
+    changed_count: int = 0
+    key: list[str] = field(default_factory=list)  # the key columns (the whole row without a key)
+    error: str | None = None
+
+    @property
+    def equal(self) -> bool:
+        return self.error is None and not (self.missing_count or self.extra_count or self.changed_count) \
+            and self.source_rows == self.target_rows
+
+
+@dataclass
+class VerifyReport:
+    engine: str
+    source_wal_lsn: str
+    target_positions: list[dict[str, Any]]
+    rounds: int
+    tables: list[TableResult]
+
+    @property
+    def equal(self) -> bool:
+        return all(t.equal for t in self.tables)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["equal"] = self.equal
+        for table, result in zip(data["tables"], self.tables):
+            table["equal"] = result.equal
+        return json.dumps(data, indent=2, default=str)
+
+
+def format_table(report: VerifyReport) -> str:
+    """The report as an aligned text table, then the differing keys of each table."""
+    header = ("table", "source rows", "target rows", "ranges", "differ", "missing", "extra", "changed", "result")
+    rows = [(t.table, str(t.source_rows), str(t.target_rows), str(t.ranges), str(t.differing_ranges),
+             str(t.missing_count), str(t.extra_count), str(t.changed_count),
+             "equal" if t.equal else ("ERROR" if t.error else "DIFFERENT")) for t in report.tables]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths))) for row in [header, *rows]]
+    for t in report.tables:
+        if t.error:
+            lines.append(f"{t.table}: {t.error}")
+        for kind, keys, count in (("missing on target", t.missing, t.missing_count),
+                                  ("extra on target", t.extra, t.extra_count),
+                                  ("changed", t.changed, t.changed_count)):
+            for key in keys:
+                lines.append(f"{t.table}: {kind}: " + ", ".join(f"{c}={v}" for c, v in zip(t.key, key)))
+            if count > len(keys):
+                lines.append(f"{t.table}: {kind}: ... and {count - len(keys)} more")
+    slots = (", ".join(f"{p['slot_name']} at {p['commit_lsn']}" for p in report.target_positions)
+             or "no applier.progress")
+    lines.append(f"source read at WAL {report.source_wal_lsn}; target had applied {slots}; "
+                 f"{report.rounds} round(s); engine {report.engine}")
+    lines.append("EQUAL" if report.equal else "DIFFERENT")
+    return "\n".join(lines)

@@ -128,7 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "in its environment, shown as applier[LABEL]; for trying a change to "
                              "the worker that a variable switches on, in the same run as the code "
                              "without it (repeatable)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="one more contender, printed as 'baseline': the applier of the checkout "
+                             "in DIR (another commit, its C accelerators built in place with "
+                             "'python setup.py build_ext --inplace'), run with this interpreter, so "
+                             "that a change is measured against the code before it in one run")
     args = parser.parse_args(argv)
+    if args.baseline is not None and not (args.baseline / "applier" / "__main__.py").is_file():
+        parser.error(f"--baseline {args.baseline}: no applier checkout there")
     experiments = [_experiment(parser, text) for text in args.experiment]
     if args.worker_hooks is not None:
         args.worker_hooks.mkdir(parents=True, exist_ok=True)
@@ -148,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sustained:
             ok = run_sustained(source_server, target_server, parse_rates(args.rates), args.duration,
                                args.clients, args.repeat, args.unix_socket, args.worker_hooks,
-                               experiments)
+                               experiments, args.baseline)
             print(f"load average at the end: {load_average()}")
             return 0 if ok else 1
         index = 0
@@ -158,7 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = []
             for _ in range(args.repeat):
                 runs.append(run_workload(workload, source_server, target_server, index, args.pg_version,
-                                         args.native_binary, args.unix_socket, args.worker_hooks))
+                                         args.native_binary, args.unix_socket, args.worker_hooks,
+                                         args.baseline))
                 index += 1
             rows.append((workload, medians(runs)))
     finally:

@@ -39,7 +39,7 @@ from apply_workloads import (
 from psycopg import sql
 
 from applier.embedded import Database, PostgresServer
-from applier.progress.store import make_engine, upgrade_schema
+from applier.progress.schema import make_engine, upgrade_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +86,7 @@ class Run:
     ceiling: tuple[float, int]
     floor: Result | None = None
     each: list[Run] = field(default_factory=list)  # for a median: the runs it is the median of
+    baseline: Result | None = None  # our worker from another checkout (--baseline), same backlog
 
 
 class DrainWatch:
@@ -178,19 +179,38 @@ def worker_command(hooks: Path | None) -> tuple[list[str], dict[str, str]]:
     return [sys.executable, str(ROOT / "bench" / "probe_hooks.py")], {"APPLIER_PROBE_OUT": str(hooks)}
 
 
+_UPGRADE = """
+import sys
+try:
+    from applier.progress.schema import make_engine, upgrade_schema
+except ImportError:  # before the bookkeeping schema had a module of its own
+    from applier.progress.store import make_engine, upgrade_schema
+upgrade_schema(make_engine(sys.argv[1]))
+"""
+
+
+def bookkeeping(dsn: str, tree: Path = ROOT) -> None:
+    """Create the bookkeeping schema in ``dsn`` before the clock starts, as the native subscription
+    has its catalogs: with this checkout's code, or the one in ``tree`` (its own migrations)."""
+    if tree == ROOT:
+        upgrade_schema(make_engine(dsn))
+    else:
+        subprocess.run([sys.executable, "-c", _UPGRADE, dsn], cwd=tree, check=True)
+
+
 def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, work_mem: str,
-               end_lsn: str, detailed: bool, hooks: Path | None = None) -> Result:
-    """``applier run --exit-when-caught-up`` on ``slot``, from process start to exit."""
+               end_lsn: str, detailed: bool, hooks: Path | None = None, tree: Path = ROOT) -> Result:
+    """``applier run --exit-when-caught-up`` on ``slot``, from process start to exit (the applier
+    of the checkout in ``tree``: this one by default)."""
     start, env = worker_command(hooks)
     command = [*start, "run", "--source", _with_work_mem(source_dsn, work_mem),
                "--target", target.dsn, "--slot", slot, "--publication", "bench",
                "--exit-when-caught-up", "--log-level", "WARNING"]
-    # The bookkeeping schema is made before the clock starts, as the native subscription is.
-    upgrade_schema(make_engine(target.dsn))
+    bookkeeping(target.dsn, tree)
     watch = DrainWatch(source, target, slot, end_lsn) if detailed else None
     cpu = _cpu_now(source, target)
     started = watch.start() if watch is not None else time.monotonic()
-    proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **env})
+    proc = subprocess.Popen(command, cwd=tree, env={**os.environ, **env})
     peak = 0
     while True:  # the peak resident size (VmHWM) as last seen before the worker exits
         peak = max(peak, peak_kb(proc.pid))
@@ -322,18 +342,21 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
                  index: int, pg_version: int, native_binary: bool, unix_socket: bool,
-                 hooks_dir: Path | None = None) -> Run:
+                 hooks_dir: Path | None = None, baseline: Path | None = None) -> Run:
     """One run of ``workload``: fresh databases, the backlog, every drain, the checks; with
-    ``hooks_dir``, our worker's counters (bench/probe_hooks.py) in a file there per run."""
+    ``hooks_dir``, our worker's counters (bench/probe_hooks.py) in a file there per run; with
+    ``baseline``, one more drain by the applier of the checkout there."""
     source = source_server.create_database(f"bench_src_{index}")
     source_dsn = stream_dsn(source, unix_socket)
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
-    for db in (source, ours, native):
+    based = target_server.create_database(f"bench_base_{index}") if baseline is not None else None
+    for db in (source, ours, native, *([based] if based is not None else [])):
         prepare(workload, db)
     detailed = workload.marker
     source.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(published_tables(workload))}")
-    for slot in ("bench_ours", "bench_native", "bench_source") + (("bench_recv",) if detailed else ()):
+    for slot in (("bench_ours", "bench_native", "bench_source") + (("bench_recv",) if detailed else ())
+                 + (("bench_base",) if baseline is not None else ())):
         source.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     print("  writing the backlog on the source ...", flush=True)
     workload.write(source)
@@ -349,6 +372,12 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     mine = drain_ours(source, source_dsn, ours, "bench_ours", workload.decoding_work_mem, end_lsn,
                       detailed, hooks)
     checkpoint(target_server)
+    before = None
+    if baseline is not None and based is not None:
+        print(f"  draining with the applier in {baseline} ...", flush=True)
+        before = drain_ours(source, source_dsn, based, "bench_base", workload.decoding_work_mem, end_lsn,
+                            detailed, tree=baseline)
+        checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
     theirs = drain_native(source, source_dsn, native, "bench_native", workload.decoding_work_mem,
                           end_lsn, native_binary, detailed)
@@ -362,11 +391,13 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     tables = published_tables(workload)
     mine.equal = same(source, ours, tables)
     theirs.equal = same(source, native, tables)
+    if before is not None and based is not None:
+        before.equal = same(source, based, tables)
     ceiling = copy_ceiling(source, ours, workload.tables)
-    for db in (source, ours, native):
+    for db in (source, ours, native, *([based] if based is not None else [])):
         db.cluster.drop_database(db.name)
     drop_applier_origins(target_server)
-    return Run(mine, theirs, alone, ceiling, floor)
+    return Run(mine, theirs, alone, ceiling, floor, baseline=before)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -384,10 +415,20 @@ def _median_result(results: list[Result]) -> Result:
 def medians(runs: list[Run]) -> Run:
     """Each figure's median over the runs (``_median_result``)."""
     floors = [r.floor for r in runs if r.floor is not None]
+    baselines = [r.baseline for r in runs if r.baseline is not None]
     return Run(_median_result([r.mine for r in runs]), _median_result([r.theirs for r in runs]),
                statistics.median(r.alone for r in runs),
                (statistics.median(r.ceiling[0] for r in runs), runs[0].ceiling[1]),
-               _median_result(floors) if floors else None, runs)
+               _median_result(floors) if floors else None, runs,
+               _median_result(baselines) if baselines else None)
+
+
+def _contenders(run: Run) -> list[tuple[str, Result]]:
+    """The drains of one run that are printed, ours first."""
+    shown = [("applier", run.mine), ("native", run.theirs)]
+    if run.baseline is not None:
+        shown.insert(1, ("baseline", run.baseline))
+    return shown
 
 
 def _seconds(value: float | None) -> str:
@@ -404,9 +445,9 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
           f"{'ours/native':>11} {'peak MB':>8} {'src CPU':>8} {'tgt CPU':>8} {'equal':>6}{runs_note}")
     ok = True
     for workload, run in rows:
-        mine, theirs = run.mine, run.theirs
-        for name, result in (("applier", mine), ("native", theirs)):
-            ratio = f"{theirs.seconds / mine.seconds:.2f}x" if name == "applier" else ""
+        theirs = run.theirs
+        for name, result in _contenders(run):
+            ratio = f"{theirs.seconds / result.seconds:.2f}x" if name != "native" else ""
             peak = f"{result.peak_mb:.0f}" if result.peak_mb else ""
             print(f"{workload.name:<26} {name:<10} {result.seconds:>8.2f} "
                   f"{workload.rows / result.seconds:>10,.0f} {workload.transactions / result.seconds:>9,.0f} "
@@ -433,10 +474,9 @@ def _print_details(rows: list[tuple[Workload, Run]], runs_note: str) -> None:
           f"{'gap s':>6} {'cores':>6} {'worker CPU':>10} {'tgt CPU':>8} {'src CPU':>8} "
           f"{'peak MB':>8}{runs_note}")
     for workload, run in rows:
-        contenders = [("applier", run.mine), ("native", run.theirs)]
-        for name, result in contenders:
+        for name, result in _contenders(run):
             peak = f"{result.peak_mb:.0f}" if result.peak_mb else ""
-            worker = _seconds(result.worker_cpu) if name == "applier" else "(in tgt)"
+            worker = _seconds(result.worker_cpu) if name != "native" else "(in tgt)"
             print(f"{workload.name:<26} {name:<15} {_seconds(result.visible):>9} "
                   f"{_seconds(result.confirmed):>11} {_seconds(result.gap):>6} {_seconds(result.cores):>6} "
                   f"{worker:>10} {_seconds(result.target_cpu):>8} {_seconds(result.source_cpu):>8} {peak:>8}")
@@ -449,7 +489,9 @@ def _print_details(rows: list[tuple[Workload, Run]], runs_note: str) -> None:
             def each(pick: str, runs: list = run.each) -> str:  # type: ignore[type-arg]
                 return "; ".join(f"{name} " + ", ".join(_seconds(getattr(getattr(r, attr), pick))
                                                          for r in runs)
-                                 for name, attr in (("applier", "mine"), ("native", "theirs")))
+                                 for name, attr in (("applier", "mine"), ("native", "theirs"),
+                                                    ("baseline", "baseline"))
+                                 if getattr(runs[0], attr) is not None)
             print(f"{'':<26} each run, visible s: {each('visible')}")
             print(f"{'':<26} each run, confirmed s: {each('confirmed')}")
         if run.theirs.visible and run.mine.visible:

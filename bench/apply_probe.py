@@ -66,7 +66,7 @@ from probe_hooks import summary  # noqa: E402
 from psycopg import sql  # noqa: E402
 
 from applier.embedded import Database, PostgresServer, start_server  # noqa: E402
-from applier.progress.store import make_engine, upgrade_schema  # noqa: E402
+from applier.progress.schema import make_engine, upgrade_schema  # noqa: E402
 
 
 @dataclass

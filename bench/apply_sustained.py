@@ -36,13 +36,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apply_drain import released, worker_command
+from apply_drain import bookkeeping, released, worker_command
 from apply_measure import MachineCpu, cores_busy, delta, load_average, process_cpu, server_cpu
 from apply_workloads import PGBENCH_TABLES, _with_work_mem, digest, drop_applier_origins, pgbench, stream_dsn
 from psycopg import sql
 
 from applier.embedded import Database, PostgresServer
-from applier.progress.store import make_engine, upgrade_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,18 +204,19 @@ class Contender:
 
 def ours(source: Database, source_dsn: str, target: Database, slot: str,
          hooks: Path | None = None, extra_env: dict[str, str] | None = None,
-         name: str = "applier") -> Contender:
+         name: str = "applier", tree: Path = ROOT) -> Contender:
     """``applier run`` with its defaults, running until SIGTERM (through bench/probe_hooks.py,
-    writing its counters to ``hooks``, if given; with ``extra_env`` in its environment)."""
+    writing its counters to ``hooks``, if given; with ``extra_env`` in its environment; the
+    applier of the checkout in ``tree``, this one by default)."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> None:
-        upgrade_schema(make_engine(target.dsn))
+        bookkeeping(target.dsn, tree)
         command, env = worker_command(hooks)
         procs.append(subprocess.Popen(
             [*command, "run", "--source", _with_work_mem(source_dsn, "64MB"),
              "--target", target.dsn, "--slot", slot, "--publication", "bench",
-             "--log-level", "WARNING"], cwd=ROOT, env={**os.environ, **env, **(extra_env or {})}))
+             "--log-level", "WARNING"], cwd=tree, env={**os.environ, **env, **(extra_env or {})}))
 
     def stop() -> None:
         procs[0].send_signal(signal.SIGTERM)
@@ -348,12 +348,16 @@ def run_contender(make: Callable[[Database, str, Database, str], Contender], nam
 def run_sustained(source_server: PostgresServer, target_server: PostgresServer,
                   rates: Sequence[int | None], duration: float, clients: int, repeat: int,
                   unix_socket: bool, hooks_dir: Path | None = None,
-                  experiments: Sequence[tuple[str, dict[str, str]]] = ()) -> bool:
+                  experiments: Sequence[tuple[str, dict[str, str]]] = (),
+                  baseline: Path | None = None) -> bool:
     """Every contender over every rate, ``repeat`` times; prints the medians. True if every
     target equalled its source at the end. With ``hooks_dir``, our worker's counters
     (bench/probe_hooks.py) go to a file there per run. Each of ``experiments`` (label,
-    environment) is one more contender: our worker with that environment."""
+    environment) is one more contender: our worker with that environment; so is ``baseline``, the
+    applier of the checkout there."""
     contenders: list[tuple[str, Callable[..., Contender]]] = [("applier", ours), ("native", native)]
+    if baseline is not None:
+        contenders.insert(1, ("baseline", functools.partial(ours, name="baseline", tree=baseline)))
     for label, env in experiments:
         name = f"applier[{label}]"
         contenders.append((name, functools.partial(ours, extra_env=env, name=name)))

@@ -2,16 +2,17 @@
 
 Owns nothing the product uses; it only measures. It runs ``applier run`` as ``python -m
 applier`` would, with the same order of start-up (the stream first, then the worker), except that
-once the worker module is loaded it wraps a few of its functions to count and time them:
+once the worker package is loaded it wraps a few functions to count and time them:
 
-* ``TargetApplier.flush``: each commit of a fast-path batch, durable or not, its source
+* ``FastPath.commit``: each commit of a fast-path batch, durable or not, its source
   transactions and rows, and its duration (the commit's round trips and, when durable, the
   target's WAL flush);
-* ``TargetSession.flush_wal``: each durable rewrite of the progress row after asynchronous commits;
-* ``TargetApplier._send_batch``: parts of a batch sent ahead of its commit;
+* ``TargetTransaction.make_durable``: each durable rewrite of the progress row after
+  asynchronous commits;
+* ``FastPath.send_part``: parts of a batch sent ahead of its commit;
 * ``ReplicationStream.read_batch``: reads, empty ones (a pause in the stream), payloads, and the
   time spent in them (waiting for the socket included);
-* ``worker._feed``: the time the lane and the assembler take over the payloads.
+* ``IngestGate.feed``: the time the lane and the assembler take over the payloads.
 
 At exit it writes them as JSON to the file named by ``APPLIER_PROBE_OUT``. ``python
 bench/probe_hooks.py --summary FILE...`` prints what such files hold.
@@ -55,40 +56,43 @@ def _timed(key: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _install() -> None:
-    """Wrap the worker's functions (the worker module has just been imported)."""
-    from applier import worker
-    from applier.apply.session import TargetSession
-    from applier.apply.sink import TargetApplier
+    """Wrap the worker's functions (the worker package has just been imported)."""
+    from applier.apply.fastpath import FastPath
+    from applier.apply.transaction import TargetTransaction
+    from applier.ingest.gate import IngestGate
     from applier.source.stream import ReplicationStream
+    from applier.worker.loop import StreamLoop
 
-    flush = TargetApplier.flush
+    commit = FastPath.commit
 
-    def counted_flush(self: TargetApplier, durable: bool = False) -> None:
-        if not self._batch_open:
-            return flush(self, durable)
-        transactions = self._pending_counts.get("transactions", 0)
-        rows = self._sent_rows + self._batch.rows
+    def counted_commit(self: FastPath, durable: bool = False) -> None:
+        if not self.open:
+            return commit(self, durable)
+        pending = self.tx.pending
+        transactions = pending.get("transactions", 0)
+        rows = pending["insert"] + pending["update"] + pending["delete"]
         started = time.monotonic()
         try:
-            return flush(self, durable)
+            return commit(self, durable)
         finally:
             now = time.monotonic()
             COUNTS["flushes"].append((started - STARTED, durable, transactions, rows, now - started))
 
-    flush_wal = TargetSession.flush_wal
+    make_durable = TargetTransaction.make_durable
 
-    def counted_flush_wal(self: TargetSession, slot: str) -> bool:
+    def counted_make_durable(self: TargetTransaction) -> bool:
         started = time.monotonic()
         try:
-            return flush_wal(self, slot)
+            return make_durable(self)
         finally:
             COUNTS["flush_wal"].append((started - STARTED, time.monotonic() - started))
 
-    send_batch = TargetApplier._send_batch
+    send_part = FastPath.send_part
 
-    def counted_send_batch(self: TargetApplier) -> None:
-        COUNTS["sent_ahead"] += 1
-        return send_batch(self)
+    def counted_send_part(self: FastPath) -> None:
+        if self.batch:
+            COUNTS["sent_ahead"] += 1
+        return send_part(self)
 
     read_batch = ReplicationStream.read_batch
 
@@ -104,22 +108,23 @@ def _install() -> None:
             COUNTS["empty_by_state"][state] = COUNTS["empty_by_state"].get(state, 0) + 1
         return batch
 
-    loop = worker.Worker._stream_loop
+    loop = StreamLoop.run
 
-    def timed_loop(self: Any, *args: Any, **kwargs: Any) -> None:
+    def timed_loop(self: StreamLoop) -> None:
         started = time.monotonic()
-        COUNTS["loop_started"] = started - STARTED
+        if COUNTS["loop_started"] is None:
+            COUNTS["loop_started"] = started - STARTED
         try:
-            return loop(self, *args, **kwargs)
+            return loop(self)
         finally:
-            COUNTS["loop_seconds"] = time.monotonic() - started
+            COUNTS["loop_seconds"] = (COUNTS["loop_seconds"] or 0) + time.monotonic() - started
 
-    TargetApplier.flush = counted_flush  # type: ignore[method-assign]
-    TargetSession.flush_wal = counted_flush_wal  # type: ignore[method-assign]
-    TargetApplier._send_batch = counted_send_batch  # type: ignore[method-assign]
+    FastPath.commit = counted_commit  # type: ignore[method-assign]
+    TargetTransaction.make_durable = counted_make_durable  # type: ignore[method-assign]
+    FastPath.send_part = counted_send_part  # type: ignore[method-assign]
     ReplicationStream.read_batch = counted_read_batch  # type: ignore[method-assign]
-    worker.Worker._stream_loop = timed_loop  # type: ignore[method-assign]
-    worker._feed = _timed("feed_seconds", worker._feed)
+    StreamLoop.run = timed_loop  # type: ignore[method-assign]
+    IngestGate.feed = _timed("feed_seconds", IngestGate.feed)  # type: ignore[method-assign]
 
 
 def _state(loop: dict[str, Any], timeout: float) -> str:

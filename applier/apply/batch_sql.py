@@ -17,7 +17,7 @@ from typing import Protocol
 from psycopg import sql
 
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
-from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
+from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_sql, copy_text, copy_text_rows
 from .mapping import RelationMapping
 from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
 
@@ -30,7 +30,9 @@ INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES = 0, 1, 2, 3, 4, 5, 6
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
 #: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
-#: COPY (one more round trip) costs more than the statements it replaces.
+#: COPY (two round trips of its own, and one more for what was queued before it) costs more than
+#: the multi-row INSERTs it replaces, which join the batch's pipeline. The lane's runs are held as
+#: COPY data; a short one is read back into rows for those INSERTs.
 COPY_MIN_ROWS = 200
 
 
@@ -180,10 +182,12 @@ class Emitter:
         if first.kind == COPY:
             copy_run: Run = first.run  # type: ignore[assignment]
             assert first.mapping is not None
-            if copy_run.rows:
+            if copy_run.rows >= COPY_MIN_ROWS:
                 data = copy_binary_data(copy_run.data) if copy_run.binary else copy_run.data
                 yield BatchStatement(None, _copy_sql(first.mapping, copy_run.binary), [], [],
                                      copy_run.rows, data)
+            elif copy_run.rows:
+                yield from self._short_run(first.mapping, copy_run)
             return
         if first.kind == UPDATES or first.kind == DELETES:
             yield from self._by_key(first)
@@ -214,6 +218,20 @@ class Emitter:
             values = run.params(position, position + size)
             sql = (self._update_text if op.kind == UPDATES else self._delete_text)(mapping, shape, size)
             yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
+
+    def _short_run(self, mapping: RelationMapping, run: Run) -> Iterator[BatchStatement]:
+        """A run too short for a COPY as multi-row INSERTs, shaped (and so prepared) as the
+        ordinary path's inserts of every column."""
+        rows = copy_binary_rows(run.data) if run.binary else copy_text_rows(run.data)
+        every = every_column(run.columns)
+        shape = (INSERT, mapping.relation.relation_id, every, True, True)
+        for position, size in _chunks(len(rows), run.columns):
+            values = [value for row in rows[position:position + size] for value in row]
+            sql_key = (shape, size)
+            sql = self._sql.get(sql_key)
+            if sql is None:
+                sql = self._sql[sql_key] = _insert_sql(mapping, every, size)
+            yield BatchStatement(sql_key, sql, values, [int(run.binary)] * len(values), size)
 
     @staticmethod
     def _copy(run: list[Op]) -> BatchStatement | None:

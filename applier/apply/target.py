@@ -82,7 +82,13 @@ class TargetSession:
         raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, cause=cause)
 
     def begin(self) -> None:
-        """Open a transaction: BEGIN goes with the next statement (or pipeline)."""
+        """Open a transaction: BEGIN goes with the next statement (or pipeline). What a pipeline
+        left in flight is read first, as before any statement: ``pending`` may be another
+        session's hand-over (early streaming apply), which must happen when this session's
+        transaction begins, not only when it first sends something, or the other session could
+        commit a later source transaction before this one."""
+        if self.pending is not None:
+            self.pending()
         assert not self.in_transaction, "BEGIN inside a transaction"
         self._begin_owed = True
 

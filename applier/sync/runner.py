@@ -5,7 +5,9 @@ a permanent problem ends the sync at once, listing every problem, and leaves not
 up the bookkeeping schema, read the publications, decide which tables still need a copy (those
 not recorded as done for this slot), create missing target tables when asked, mark them 'copying'
 and empty them in one target transaction, take the snapshot (creating the worker's slot, or a
-temporary slot when the slot already exists), copy, and hand over to the worker. Transient
+temporary slot when the slot already exists), copy, set the target's sequences to the source's
+(``applier.lifecycle.sequences``; a sequence that cannot be set is a warning, not a failed sync:
+``applier cutover`` sets them again and insists), and hand over to the worker. Transient
 failures (a lost connection) restart that sequence after a backoff; finished tables are never
 copied again. Must never stream changes itself: the worker does, from the slot's own position,
 filtering each synced table's changes by its sync LSN (see ``state.SyncFilter``).
@@ -25,6 +27,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_at
 from ..config import Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
 from ..exit_codes import ExitCode
+from ..lifecycle.sequences import synchronise_sequences
 from ..preflight import PreflightFailed, check_sync
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
@@ -75,6 +78,7 @@ class Syncer:
             log.info("sync for slot %r: source %s, target %s", self.slot,
                      mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             self._retrying(lambda: self._attempt(engine))
+            self._retrying(self._sequences)
             return True
         except CopyStopped:
             log.info("sync stopped on signal; finished tables are kept, the next sync redoes the rest")
@@ -105,6 +109,14 @@ class Syncer:
                               create_tables=bool(settings.create_tables))
         if problems:
             raise PreflightFailed(problems)
+
+    def _sequences(self) -> None:
+        settings = self.settings
+        report = synchronise_sequences(settings.required("source"), settings.required("target"),
+                                       settings.publication, margin=settings.margin)
+        log.info("sequences of the published tables set on the target:\n%s", report.render())
+        for problem in report.problems:
+            log.warning("%s", problem)
 
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings

@@ -10,8 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from replication import (REPO, create_slot, prepare_on_source, replicated_table, run_worker,
-                         start_worker, stop_worker, wait_for, wait_slot_inactive)
+from replication import (
+    REPO,
+    create_slot,
+    prepare_on_source,
+    replicated_table,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
+    wait_slot_inactive,
+)
 
 from applier.cli import parse_settings
 from applier.exit_codes import ExitCode

@@ -123,9 +123,10 @@ def count_sql(snaps: Snapshots, spec: TableSpec) -> TableResult:
     if missing := _missing_columns(snaps.target, spec):
         result.error = f"missing on the target: {', '.join(missing)}"
         return result
+    sides: tuple[tuple[psycopg.Connection[Any], Literal["source", "target"]], ...] = (
+        (snaps.source, "source"), (snaps.target, "target"))
     counts = [conn.execute(sql.SQL("SELECT count(*) FROM {}{}").format(
-        spec.qualified, _where(spec, side))).fetchone() for conn, side in
-        ((snaps.source, "source"), (snaps.target, "target"))]
+        spec.qualified, _where(spec, side))).fetchone() for conn, side in sides]
     result.source_rows, result.target_rows = (int(row[0]) if row else 0 for row in counts)
     return result
 

@@ -28,7 +28,7 @@ from ..config import Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
 from ..exit_codes import ExitCode
 from ..lifecycle.sequences import synchronise_sequences
-from ..preflight import PreflightFailed, check_sync
+from ..preflight import PreflightFailed, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
 from ..progress.schema import make_engine, upgrade_schema
@@ -104,9 +104,9 @@ class Syncer:
 
     def _preflight(self) -> None:
         settings = self.settings
-        problems = check_sync(settings.required("source"), settings.required("target"), slot=self.slot,
-                              publications=settings.publication,
-                              create_tables=bool(settings.create_tables))
+        problems = check_start(settings.required("source"), settings.required("target"),
+                               slot=self.slot, publications=settings.publication,
+                               create_tables=bool(settings.create_tables), copy=True)
         if problems:
             raise PreflightFailed(problems)
 

@@ -271,10 +271,12 @@ def check_sequences(source: psycopg.Connection[Any], target: psycopg.Connection[
     except LifecycleError:
         return []  # a missing publication: check_source names it
     names = [sequence.identifier.as_string(source) for sequence in sequences]
-    denied = "WHERE NOT pg_catalog.has_sequence_privilege(c.oid, %s)"
+    # CASE: has_sequence_privilege raises for any other relation, and the planner may evaluate
+    # a WHERE clause on pg_class rows before the join and relkind conditions have filtered them.
     find = ("SELECT u.i::int - 1 FROM unnest(%s::text[]) WITH ORDINALITY AS u(name, i) "
             "JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(u.name) "
-            "AND c.relkind = 'S' " + denied)
+            "WHERE CASE WHEN c.relkind = 'S' "
+            "THEN NOT pg_catalog.has_sequence_privilege(c.oid, %s) ELSE false END")
     problems = []
     for conn, side, privilege, what in ((source, "source", "SELECT", "read"),
                                         (target, "target", "UPDATE", "set")):

@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
@@ -28,6 +29,7 @@ from ..config import Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
 from ..exit_codes import ExitCode
 from ..lifecycle.sequences import synchronise_sequences
+from ..lifecycle.servers import LifecycleError
 from ..preflight import PreflightFailed, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
@@ -78,7 +80,7 @@ class Syncer:
             log.info("sync for slot %r: source %s, target %s", self.slot,
                      mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             self._retrying(lambda: self._attempt(engine))
-            self._retrying(self._sequences)
+            self._sequences()
             return True
         except CopyStopped:
             log.info("sync stopped on signal; finished tables are kept, the next sync redoes the rest")
@@ -112,8 +114,13 @@ class Syncer:
 
     def _sequences(self) -> None:
         settings = self.settings
-        report = synchronise_sequences(settings.required("source"), settings.required("target"),
-                                       settings.publication, margin=settings.margin)
+        try:
+            report = synchronise_sequences(settings.required("source"), settings.required("target"),
+                                           settings.publication, margin=settings.margin)
+        except (LifecycleError, psycopg.Error) as exc:
+            log.warning("the sequences were not set (%s); the copy is complete: set them with "
+                        "applier sequences (applier cutover does too)", " ".join(str(exc).split()))
+            return
         log.info("sequences of the published tables set on the target:\n%s", report.render())
         for problem in report.problems:
             log.warning("%s", problem)

@@ -30,8 +30,8 @@ from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from .servers import LifecycleError, connect
 
-__all__ = ["SequenceResult", "SequenceState", "SequencesReport", "run_sequences",
-           "published_sequences", "synchronise_sequences"]
+__all__ = ["PublishedSequence", "SequenceResult", "SequenceState", "SequencesReport",
+           "published_sequences", "run_sequences", "synchronise_sequences"]
 
 log = logging.getLogger(__name__)
 

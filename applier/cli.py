@@ -45,6 +45,15 @@ COMMANDS: dict[str, str] = {
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
     "skip": "Skip exactly one source transaction (a poison transaction that stops the worker), "
             "named by its finish LSN; crash-safe and recorded on the target.",
+    "sequences": "Set every target sequence of the published tables (identity, serial, and "
+                 "nextval defaults) to the source's value plus --margin, read in one snapshot; "
+                 "never moves a target sequence backwards.",
+    "cutover": "Once writes to the source have stopped: wait until the replica has applied "
+               "everything, set the sequences, check that no prepared transaction or table copy "
+               "is pending, compare the tables, and say whether the target is a safe replacement.",
+    "drop": "Retire a replica: remove its slot on the source, its replication origin, "
+            "bookkeeping rows and pending prepared transactions on the target, and its spill "
+            "files. Refused while a worker holds the slot; safe to run twice.",
 }
 
 #: What the CHECK exit status means, for the commands that check something.
@@ -52,6 +61,7 @@ _CHECKS: dict[str, str] = {
     "status": "the slot is missing or the lag exceeds --max-lag",
     "verify": "the tables differ",
     "demo": "the target differs from the source",
+    "cutover": "the target is not (yet) a safe replacement: each failed check says what to do",
 }
 
 #: Where each command's entry point lives (``run`` is below), imported once it is chosen.
@@ -63,6 +73,9 @@ _RUNNERS: dict[str, tuple[str, str]] = {
     "verify": ("applier.verify", "run_verify"),
     "pipeline": ("applier.spark.pipeline", "run_pipeline"),
     "demo": ("applier.demo", "run_demo"),
+    "sequences": ("applier.lifecycle.sequences", "run_sequences"),
+    "cutover": ("applier.lifecycle.cutover", "run_cutover"),
+    "drop": ("applier.lifecycle.drop", "run_drop"),
 }
 
 _SETTINGS = ("Every option can also be set in a TOML config file (--config, or APPLIER_CONFIG) and "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .ops.lag import LagLimit, parse_lag_limit
+from .ops.lag import LagLimit, parse_duration, parse_lag_limit
 from .protocol.lsn import LSN
 from .units import format_size, parse_size
 
@@ -54,7 +54,7 @@ def _parse_lag(value: str | int | LagLimit) -> LagLimit:
 
 #: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
 _PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
-                 "lsn": "LSN", "lag": "SIZE|DURATION"}
+                 "lsn": "LSN", "lag": "SIZE|DURATION", "duration": "DURATION"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class Option:
     name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
     help: str                      # says what the default means when ``default`` cannot show it
     kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
+                                   # | duration (seconds as a float; 30s, 5min or a bare number)
     default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
     choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
@@ -106,6 +107,8 @@ class Option:
             return value.text
         if isinstance(value, list):
             return ",".join(value)
+        if self.kind == "duration":
+            return f"{value:g}s"
         if isinstance(value, float):
             return f"{value:g}"  # 10, not 10.0
         return str(value)
@@ -127,6 +130,7 @@ class Option:
             "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
             "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
+            "duration": lambda v: parse_duration(str(v)),
         }
         try:
             value = converters[self.kind](raw)
@@ -139,7 +143,9 @@ class Option:
 
 _REPLICATION = ("run", "sync", "peek")
 #: Commands that print their own result: logging only adds warnings unless asked for more.
-_REPORTING = ("verify", "pipeline", "demo")
+_REPORTING = ("verify", "pipeline", "demo", "sequences", "cutover", "drop")
+#: The commands of a replica's last steps (applier/lifecycle/).
+_LIFECYCLE = ("sequences", "cutover", "drop")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 _SPARK = "For verify --engine spark and pipeline: "
 
@@ -147,19 +153,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
            "other libpq options pass through. Required (optional for skip, which then checks "
            "the slot on the target only).", secret=True,
-           commands=_REPLICATION + ("status", "verify", "skip")),
+           commands=_REPLICATION + ("status", "verify", "skip") + _LIFECYCLE),
     Option("target", "libpq connection string or URL of the target (replica) database. Required.",
-           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline")),
+           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline") + _LIFECYCLE),
     Option("slot", "Logical replication slot on the source: the one run and sync consume, peek "
-           "reads without consuming, status and skip report on. Required.", metavar="NAME",
-           commands=_REPLICATION + ("status", "skip")),
+           "reads without consuming, status and skip report on, cutover waits for, drop removes. "
+           "Required.", metavar="NAME", commands=_REPLICATION + ("status", "skip", "cutover", "drop")),
+    Option("slot", "Slot of the replica: the report then says how far the target had applied "
+           "it when the sequences were set. Default: no such note.", metavar="NAME",
+           commands=("sequences",)),
     Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
            metavar="NAME", commands=("verify",)),
     Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
            "one the target has.", metavar="NAME", commands=("pipeline",)),
     Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
-           "and peek receive, whose tables verify compares. Required.", kind="list", default=[],
-           commands=_REPLICATION + ("verify",)),
+           "and peek receive, whose tables verify and cutover compare, whose sequences sequences "
+           "sets. Required.", kind="list", default=[],
+           commands=_REPLICATION + ("verify", "sequences", "cutover")),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
            default=False, commands=("run",)),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
@@ -216,8 +226,11 @@ OPTIONS: tuple[Option, ...] = (
            "the replication protocol.", kind="bool", default=False, commands=("peek",)),
     Option("limit", "Stop after printing this many messages. Default: no limit.", kind="int",
            commands=("peek",)),
-    Option("timeout", "Stop after this many seconds without a new message.", kind="int",
-           default=5, metavar="SECONDS", commands=("peek",)),
+    Option("timeout", "Stop after this long without a new message (30s, 5min; a bare number "
+           "is seconds).", kind="duration", default=5.0, commands=("peek",)),
+    Option("timeout", "How long to wait for the worker to apply and confirm everything the source "
+           "had written when cutover started (30s, 5min; a bare number is seconds); then fail, "
+           "saying how far behind it is.", kind="duration", default=300.0, commands=("cutover",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
            "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
@@ -239,8 +252,9 @@ OPTIONS: tuple[Option, ...] = (
            "stops at a missing column, as PostgreSQL's subscriber does.",
            kind="choice", choices=("follow", "error"), default="follow"),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
-           "budget. Default: a directory per slot under the system temp directory.", kind="path",
-           commands=("run", "sync", "status")),
+           "budget (drop removes the slot's spill files there). Default: a directory per slot "
+           "under the system temp directory.", kind="path",
+           commands=("run", "sync", "status", "drop")),
     Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
            "per target transaction before it commits; also the most rows held in memory.",
            kind="int", default=20000),
@@ -299,7 +313,7 @@ OPTIONS: tuple[Option, ...] = (
            "(e.g. 64MB) or a duration (e.g. 30s, 5min).", kind="lag",
            default=parse_lag_limit("60s")),
     Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
-           commands=("status", "verify")),
+           commands=("status", "verify", "cutover")),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
            "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
            commands=("status",)),
@@ -333,6 +347,20 @@ OPTIONS: tuple[Option, ...] = (
            metavar="COLUMN", commands=("pipeline",)),
     Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
            default=False, commands=("pipeline",)),
+    # -- a replica's last steps (applier/lifecycle/) --------------------------------------------------
+    Option("margin", "Set each target sequence this far beyond the source's value (in the "
+           "sequence's direction), for writes still landing on the source.", kind="int",
+           default=0, commands=("sequences", "sync", "cutover")),
+    Option("dry_run", "Show what would be set, and set nothing.", kind="bool", default=False,
+           commands=("sequences",)),
+    Option("verify", "How cutover compares the tables: counts (row counts per table), full (as "
+           "applier verify: counts, per-range hashes, differing keys) or off.", kind="choice",
+           choices=("counts", "full", "off"), default="counts", commands=("cutover",)),
+    Option("keep_bookkeeping", "Keep the slot's rows in the target's applier tables (progress, "
+           "table sync, conflicts, ...) for the record.", kind="bool", default=False,
+           commands=("drop",)),
+    Option("yes", "Do not ask for confirmation on a terminal (without a terminal drop never "
+           "asks).", kind="bool", default=False, commands=("drop",)),
     # -- demo (applier/demo.py) ---------------------------------------------------------------------
     Option("pg_version", "PostgreSQL major version of both throwaway servers.", kind="int",
            default=18, choices=("15", "18"), commands=("demo",)),
@@ -380,7 +408,7 @@ class Settings:
     lsn: LSN | None
     sql: bool
     limit: int | None
-    timeout: int
+    timeout: float
     memory_budget: int
     streamed_apply: Literal["early", "commit"]
     schema_changes: Literal["follow", "error"]
@@ -418,6 +446,12 @@ class Settings:
     output: Path | None
     lsn_column: str
     full: bool
+    # -- a replica's last steps
+    margin: int
+    dry_run: bool
+    verify: Literal["counts", "full", "off"]
+    keep_bookkeeping: bool
+    yes: bool
     # -- demo
     pg_version: int
     seconds: float
@@ -548,7 +582,7 @@ def _validate(settings: Settings) -> None:
         parse_conflict_policies(settings.conflict_policy)
     if settings.command == "pipeline" and len(settings.table) != 1:
         raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
-    for name in ("settle", "seconds", "max_keys"):
+    for name in ("settle", "seconds", "max_keys", "margin", "timeout"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name} must not be negative")
 

@@ -5,8 +5,11 @@ shop schema on both and a few thousand rows on the source, runs ``applier sync``
 copy, then streaming, with two-phase decoding) while a workload writes (small transactions, a
 large transaction the server streams in progress, a two-phase transaction, rows deleted and
 updated),
-shows progress and lag live, stops the worker, runs ``applier verify`` on every table, prints a summary
-and removes the servers (``--keep`` leaves them running and prints their connection strings).
+shows progress and lag live, then ends the replica's life as a migration does: ``applier cutover``
+(the worker caught up, sequences set, nothing pending, every table compared in full) while the
+worker still runs, then stops the worker and retires the replica with ``applier drop``; prints a
+summary and removes the servers (``--keep`` leaves them running and prints their connection
+strings).
 Must never touch a server it did not start.
 """
 
@@ -22,7 +25,6 @@ import psycopg
 from .config import Settings
 from .embedded import ServerSettings, start_server
 from .exit_codes import ExitCode
-from .verify import format_table, verify
 
 DEMO_GID = "demo-order-batch"
 SCHEMA = """
@@ -30,6 +32,7 @@ CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, crea
 CREATE TABLE products (sku text PRIMARY KEY, title text, price numeric(10,2), tags text[]);
 CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int NOT NULL, sku text NOT NULL,
                      qty int NOT NULL, total numeric(12,2), note jsonb);
+CREATE TABLE reviews (id serial PRIMARY KEY, sku text NOT NULL, stars int NOT NULL);
 """
 
 
@@ -48,10 +51,10 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
         if roll < 0.10:
             conn.execute("UPDATE products SET price = price + 0.01 WHERE sku = %s",
                          (f"sku-{rng.randrange(200)}",))
-            return ExitCode.FAILED
+            return 1
         if roll < 0.15:
             conn.execute("DELETE FROM orders WHERE id = %s", (rng.randrange(1, next_order[0]),))
-            return ExitCode.FAILED
+            return 1
         order = next_order[0]
         next_order[0] += 1
         conn.execute("INSERT INTO orders VALUES (%s, %s, %s, %s, %s, %s)",
@@ -59,7 +62,9 @@ def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: lis
                       rng.randint(100, 99999) / 100, '{"channel": "web"}'))
         conn.execute("UPDATE customers SET email = %s WHERE id = %s",
                      (f"c{order}@example.com", rng.randrange(1, 2001)))
-        return ExitCode.USAGE
+        conn.execute("INSERT INTO reviews (sku, stars) VALUES (%s, %s)",
+                     (f"sku-{rng.randrange(200)}", rng.randint(1, 5)))
+        return 3
 
 
 def _prepare_step(conn: psycopg.Connection, next_order: list[int]) -> int:
@@ -94,7 +99,7 @@ def run_demo(settings: Settings) -> int:
         target_db = target_server.create_database("shop")
         for db in (source_db, target_db):
             db.execute(SCHEMA)
-        source_db.execute("CREATE PUBLICATION demo_pub FOR TABLE customers, products, orders")
+        source_db.execute("CREATE PUBLICATION demo_pub FOR TABLE customers, products, orders, reviews")
         with source_db.connect() as conn:
             conn.execute("INSERT INTO customers (id, name) SELECT g, 'customer ' || g FROM generate_series(1, 2000) g")
             conn.execute("INSERT INTO products SELECT 'sku-' || g, 'product ' || g, g * 1.25, "
@@ -145,21 +150,31 @@ def run_demo(settings: Settings) -> int:
             while _lag(watcher) > 0 and time.monotonic() < deadline:
                 time.sleep(0.2)
         elapsed = time.monotonic() - started
+        applier = [sys.executable, "-m", "applier"]
+        servers = ["--source", source_db.dsn, "--target", target_db.dsn, "--slot", "demo"]
+        say("  applier cutover: writes have stopped; caught up? sequences, prepared transactions, "
+            "every table compared in full ...")
+        cutover = subprocess.run([*applier, "cutover", *servers, "--publication", "demo_pub",
+                                  "--verify", "full", "--timeout", "2min"],
+                                 capture_output=True, text=True)
+        for line in (cutover.stdout + cutover.stderr).splitlines():
+            say(f"    {line}")
+        safe = cutover.returncode == ExitCode.OK
         worker.terminate()
         worker.wait(timeout=30)
-        say("  applier verify: counts and per-range hashes of every published table ...")
-        # A handful of keys is plenty to show where a demo run went wrong.
-        report = verify(source_db.dsn, target_db.dsn, ["demo_pub"], slot="demo", settle=0,
-                        max_keys=10)
-        for line in format_table(report).splitlines():
+        say("  worker stopped; applier drop: the slot, origin, bookkeeping rows and spill files ...")
+        drop = subprocess.run([*applier, "drop", *servers, "--yes"], capture_output=True, text=True)
+        for line in (drop.stdout + drop.stderr).splitlines():
             say(f"    {line}")
-        equal = report.equal
+        dropped = drop.returncode == ExitCode.OK
         say(f"summary: {transactions} source transactions, {rows} row changes in {elapsed:.1f}s "
             f"({rows / elapsed:,.0f} rows/s written and replicated), peak slot lag "
-            f"{max_lag / 1024:.1f} kB, target {'equals' if equal else 'DIFFERS FROM'} source")
+            f"{max_lag / 1024:.1f} kB, target {'equals' if safe else 'DIFFERS FROM'} source"
+            + ("" if safe else " (see the cutover report)")
+            + (", replica retired" if dropped else "; the drop FAILED"))
         if settings.keep:
             say(f"servers kept running:\n  source: {source_db.dsn}\n  target: {target_db.dsn}")
-        return ExitCode.OK if equal else ExitCode.CHECK
+        return ExitCode.OK if safe and dropped else ExitCode.CHECK
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

@@ -5,11 +5,15 @@ Owns what ``applier sync`` must know of both servers before its first write, and
 work (a refused password or a missing database is reported, not retried); the source has
 ``wal_level = logical``, a role that may replicate, every publication, and either a pgoutput slot
 of this database or room for a new one (a free replication slot and a free WAL sender); the
-copy's role can read every published column; the target can hold the ``applier`` bookkeeping
-schema, lets the role set ``session_replication_role`` (as every copy and apply session does),
-and has every published table with every published column and the privileges the copy needs, or
-with ``--create-tables`` can create the missing ones. Also whether the target has recorded
-anything for a slot (``applier skip`` refuses a slot nothing knows). Each check returns every
+copy's role can read every published column and the sequences of the published tables (which
+sync sets on the target once its copy is done, ``applier.lifecycle.sequences``); the target can
+hold the ``applier`` bookkeeping schema, lets the role set ``session_replication_role`` (as every
+copy and apply session does), has every published table with every published column and the
+privileges the copy (or the apply) needs, or with ``--create-tables`` can create the missing
+ones, and lets the role set the sequences it has. ``applier run --create-slot`` runs the same
+checks of both servers (``check_start``) before it creates its bookkeeping schema or its slot.
+Also whether the target has recorded anything for a slot (``applier skip`` refuses a slot
+nothing knows). Each check returns every
 problem it finds, each saying what is wrong and what to do, so that one run lists everything to
 fix.
 
@@ -28,17 +32,22 @@ from psycopg import sql
 
 from . import connections
 from .errors import ApplierError, Cause, Directive, decide
+from .lifecycle.sequences import published_sequences
+from .lifecycle.servers import LifecycleError
 from .progress.bookkeeping import SqlBookkeeping
 from .quoting import ident
 from .source.slots import publications_missing, slot_info
 from .sync.catalog import CatalogError, PublishedTable, published_tables
 
-__all__ = ["PreflightFailed", "connect", "check_source", "check_copy", "check_target",
-           "check_sync", "slot_recorded"]
+__all__ = ["PreflightFailed", "connect", "check_source", "check_copy", "check_sequences",
+           "check_target", "check_start", "slot_recorded"]
 
 #: What the copy does to an existing target table: reads it (is it empty?), truncates it (a
 #: restarted copy, --truncate-target) and loads it.
 _COPY_PRIVILEGES = ("SELECT", "INSERT", "TRUNCATE")
+#: What applying changes does to a target table (SELECT: the key columns an UPDATE or DELETE
+#: reads, and INSERT ... ON CONFLICT).
+_APPLY_PRIVILEGES = ("SELECT", "INSERT", "UPDATE", "DELETE")
 
 
 class PreflightFailed(ApplierError):
@@ -103,8 +112,9 @@ def check_source(conn: psycopg.Connection[Any], *, slot: str, publications: Sequ
         if slots >= max_slots:
             problems.append(f"source: all {max_slots} replication slots are in use "
                             f"(max_replication_slots), so slot {slot!r} cannot be created: drop "
-                            "one that nothing reads any more (pg_drop_replication_slot), or raise "
-                            "max_replication_slots and restart the source server")
+                            "one that nothing reads any more (pg_drop_replication_slot, or "
+                            "applier drop for a retired replica), or raise max_replication_slots "
+                            "and restart the source server")
         if senders >= max_senders:
             problems.append(f"source: all {max_senders} WAL senders are in use (max_wal_senders), "
                             f"so nothing could stream from slot {slot!r}: stop a replication "
@@ -175,9 +185,12 @@ _TARGET_TABLES = """
 
 
 def check_target(conn: psycopg.Connection[Any], tables: Sequence[PublishedTable], *,
-                 create_tables: bool) -> list[str]:
+                 create_tables: bool, copy: bool = True) -> list[str]:
     """Problems the target has with holding the bookkeeping schema and receiving ``tables``
-    (creating the missing ones with ``create_tables``)."""
+    (creating the missing ones with ``create_tables``), by a copy (``copy``) or by applying
+    changes."""
+    privileges, needs = (_COPY_PRIVILEGES, "the copy needs") if copy else (
+        _APPLY_PRIVILEGES, "applying changes needs")
     row = conn.execute(_TARGET_ROLE).fetchone()
     assert row is not None
     superuser, create_in_database, schema_exists, schema_usage = row
@@ -199,7 +212,7 @@ def check_target(conn: psycopg.Connection[Any], tables: Sequence[PublishedTable]
         problems.append(f"target: role {who} may not set session_replication_role, which keeps "
                         f"triggers and foreign keys quiet while rows are copied and applied: {grant}"
                         " (PostgreSQL 15+; before that only a superuser may)")
-    rows = conn.execute(_TARGET_TABLES, {"privileges": list(_COPY_PRIVILEGES),
+    rows = conn.execute(_TARGET_TABLES, {"privileges": list(privileges),
                                          "schemas": [t.schema for t in tables],
                                          "names": [t.name for t in tables]}).fetchall()
     schemas_to_create: list[str] = []
@@ -211,7 +224,7 @@ def check_target(conn: psycopg.Connection[Any], tables: Sequence[PublishedTable]
                     sql.SQL(", ").join(map(sql.SQL, lacking)),
                     sql.Identifier(table.schema, table.name), role).as_string(conn)
                 problems.append(f"target: role {who} lacks {', '.join(lacking)} on "
-                                f"{table.sql_name}, which the copy needs: {grant}")
+                                f"{table.sql_name}, which {needs}: {grant}")
         elif not create_tables:
             problems.append(f"target table {table.sql_name} does not exist (create it, or use "
                             "--create-tables)")
@@ -249,9 +262,40 @@ def _may_set_replication_role(conn: psycopg.Connection[Any]) -> bool:
     return bool(row and row[0])
 
 
-def check_sync(source: str, target: str, *, slot: str, publications: Sequence[str],
-               create_tables: bool) -> list[str]:
-    """Every problem ``applier sync`` would meet, from the DSNs ``source`` and ``target``.
+def check_sequences(source: psycopg.Connection[Any], target: psycopg.Connection[Any] | None,
+                    publications: Sequence[str]) -> list[str]:
+    """Problems reading the published tables' sequences on the source, and setting the ones the
+    target has (sync sets them once its copy is done)."""
+    try:
+        sequences = published_sequences(source, publications)
+    except LifecycleError:
+        return []  # a missing publication: check_source names it
+    names = [sequence.identifier.as_string(source) for sequence in sequences]
+    # CASE: has_sequence_privilege raises for any other relation, and the planner may evaluate
+    # a WHERE clause on pg_class rows before the join and relkind conditions have filtered them.
+    find = ("SELECT u.i::int - 1 FROM unnest(%s::text[]) WITH ORDINALITY AS u(name, i) "
+            "JOIN pg_catalog.pg_class c ON c.oid = pg_catalog.to_regclass(u.name) "
+            "WHERE CASE WHEN c.relkind = 'S' "
+            "THEN NOT pg_catalog.has_sequence_privilege(c.oid, %s) ELSE false END")
+    problems = []
+    for conn, side, privilege, what in ((source, "source", "SELECT", "read"),
+                                        (target, "target", "UPDATE", "set")):
+        if conn is None:
+            continue
+        role = _role(conn)
+        for (index,) in conn.execute(find, (names, privilege)):
+            sequence = sequences[index]
+            grant = sql.SQL("GRANT {} ON SEQUENCE {} TO {}").format(
+                sql.SQL(privilege), sequence.identifier, role).as_string(conn)
+            problems.append(f"{side}: role {role.as_string(conn)} may not {what} sequence "
+                            f"{names[index]}, which sync sets on the target after its copy: {grant}")
+    return problems
+
+
+def check_start(source: str, target: str, *, slot: str, publications: Sequence[str],
+                create_tables: bool, copy: bool) -> list[str]:
+    """Every problem ``applier sync`` (``copy``) or ``applier run --create-slot`` would meet,
+    from the DSNs ``source`` and ``target``.
 
     A failure retrying may cure (a refused connection) is raised as the psycopg error.
     """
@@ -268,9 +312,12 @@ def check_sync(source: str, target: str, *, slot: str, publications: Sequence[st
                 tables = published_tables(source_conn, list(publications))
             except CatalogError as exc:
                 problems.append(f"source: {exc}")
-            problems.extend(check_copy(source_conn, tables))
+            if copy:
+                problems.extend(check_copy(source_conn, tables))
+                problems.extend(check_sequences(source_conn, target_conn, publications))
         if target_conn is not None:
-            problems.extend(check_target(target_conn, tables, create_tables=create_tables))
+            problems.extend(check_target(target_conn, tables, create_tables=create_tables,
+                                         copy=copy))
         return problems
     finally:
         for conn in connections:

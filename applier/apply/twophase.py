@@ -69,7 +69,8 @@ from .transaction import TargetTransaction
 if TYPE_CHECKING:
     from ..assembler import Change
 
-__all__ = ["MODES", "GID_MAX_BYTES", "PreparedHost", "TwoPhase", "resolve_mode", "target_gid"]
+__all__ = ["MODES", "GID_MAX_BYTES", "PreparedHost", "TwoPhase", "is_target_gid", "resolve_mode",
+           "target_gid"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,13 @@ def target_gid(slot: str, database_oid: int, xid: int) -> str:
     if len(gid.encode()) > GID_MAX_BYTES:  # slot names have at most 63 bytes: cannot happen
         raise ValueError(f"prepared transaction GID {gid!r} is longer than {GID_MAX_BYTES} bytes")
     return gid
+
+
+def is_target_gid(gid: str, slot: str) -> bool:
+    """``gid`` is one ``target_gid`` made for ``slot`` (of any database and xid)."""
+    database_oid, _, rest = gid.removeprefix("applier_").partition("_")
+    xid, _, named = rest.partition("_")
+    return gid.startswith("applier_") and database_oid.isdigit() and xid.isdigit() and named == slot
 
 
 def resolve_mode(requested: str, max_prepared_transactions: int) -> str:

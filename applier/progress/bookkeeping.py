@@ -139,7 +139,37 @@ class SqlBookkeeping:
             "LIMIT %(limit)s", {"slot": slot, "limit": limit})
         return [dict(zip(columns, row)) for row in rows]
 
+    def tables_with_slots(self) -> list[str]:
+        """The ``applier`` tables that hold rows per slot (a ``slot_name`` column), by name."""
+        return [row[0] for row in self._rows(
+            "SELECT c.relname::text FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+            "ON n.oid = c.relnamespace JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid "
+            "WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p') "
+            "AND a.attname = 'slot_name' AND NOT a.attisdropped ORDER BY 1")]
+
+    def slot_row_counts(self, slot: str) -> dict[str, int]:
+        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema)."""
+        tables = self.tables_with_slots()
+        if not tables:
+            return {}
+        query = sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT {}, count(*) FROM {} WHERE slot_name = %(slot)s").format(
+                sql.Literal(name), sql.Identifier("applier", name)) for name in tables)
+        return {name: int(count) for name, count in self._rows(query, {"slot": slot}) if count}
+
     # -- writes --------------------------------------------------------------------------------------
+    def forget_slot(self, slot: str) -> dict[str, int]:
+        """Delete ``slot``'s rows from every bookkeeping table; the rows deleted, per table."""
+        deleted = {}
+        for name in self.tables_with_slots():
+            count = self._rows(sql.SQL(
+                "WITH gone AS (DELETE FROM {} WHERE slot_name = %(slot)s RETURNING 1) "
+                "SELECT count(*) FROM gone").format(sql.Identifier("applier", name)),
+                {"slot": slot})[0][0]
+            if count:
+                deleted[name] = int(count)
+        return deleted
+
     def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
         position = self._rows("SELECT commit_lsn::text FROM applier.progress "
                               "WHERE slot_name = %(slot)s", {"slot": slot})

@@ -5,7 +5,9 @@ a permanent problem ends the sync at once, listing every problem, and leaves not
 up the bookkeeping schema, read the publications, decide which tables still need a copy (those
 not recorded as done for this slot), create missing target tables when asked, mark them 'copying'
 and empty them in one target transaction, take the snapshot (creating the worker's slot, or a
-temporary slot when the slot already exists), copy, and hand over to the worker. Transient
+temporary slot when the slot already exists), copy, set the target's sequences to the source's
+(``applier.lifecycle.sequences``; a sequence that cannot be set is a warning, not a failed sync:
+``applier cutover`` sets them again and insists), and hand over to the worker. Transient
 failures (a lost connection) restart that sequence after a backoff; finished tables are never
 copied again. Must never stream changes itself: the worker does, from the slot's own position,
 filtering each synced table's changes by its sync LSN (see ``state.SyncFilter``).
@@ -19,13 +21,16 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
+import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ..config import Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
 from ..exit_codes import ExitCode
-from ..preflight import PreflightFailed, check_sync
+from ..lifecycle.sequences import synchronise_sequences
+from ..lifecycle.servers import LifecycleError
+from ..preflight import PreflightFailed, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
 from ..progress.schema import make_engine, upgrade_schema
@@ -75,6 +80,7 @@ class Syncer:
             log.info("sync for slot %r: source %s, target %s", self.slot,
                      mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             self._retrying(lambda: self._attempt(engine))
+            self._sequences()
             return True
         except CopyStopped:
             log.info("sync stopped on signal; finished tables are kept, the next sync redoes the rest")
@@ -100,11 +106,24 @@ class Syncer:
 
     def _preflight(self) -> None:
         settings = self.settings
-        problems = check_sync(settings.required("source"), settings.required("target"), slot=self.slot,
-                              publications=settings.publication,
-                              create_tables=bool(settings.create_tables))
+        problems = check_start(settings.required("source"), settings.required("target"),
+                               slot=self.slot, publications=settings.publication,
+                               create_tables=bool(settings.create_tables), copy=True)
         if problems:
             raise PreflightFailed(problems)
+
+    def _sequences(self) -> None:
+        settings = self.settings
+        try:
+            report = synchronise_sequences(settings.required("source"), settings.required("target"),
+                                           settings.publication, margin=settings.margin)
+        except (LifecycleError, psycopg.Error) as exc:
+            log.warning("the sequences were not set (%s); the copy is complete: set them with "
+                        "applier sequences (applier cutover does too)", " ".join(str(exc).split()))
+            return
+        log.info("sequences of the published tables set on the target:\n%s", report.render())
+        for problem in report.problems:
+            log.warning("%s", problem)
 
     def _attempt(self, engine: Engine) -> None:
         settings = self.settings

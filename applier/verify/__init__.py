@@ -16,7 +16,8 @@ from __future__ import annotations
 from .command import run_verify, verify
 from .publications import published_tables
 from .report import TableResult, TableSpec, VerifyError, VerifyReport, format_table
-from .sql import compare_sql
+from .snapshots import snapshots
+from .sql import compare_sql, count_sql
 
-__all__ = ["TableResult", "TableSpec", "VerifyError", "VerifyReport", "compare_sql", "format_table",
-           "published_tables", "run_verify", "verify"]
+__all__ = ["TableResult", "TableSpec", "VerifyError", "VerifyReport", "compare_sql", "count_sql",
+           "format_table", "published_tables", "run_verify", "snapshots", "verify"]

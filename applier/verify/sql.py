@@ -1,6 +1,7 @@
 """``applier verify`` (the default engine): the comparison computed by the databases themselves.
 
-Owns: per table, assigning rows to ranges, each side's count and hash sum per range, then the
+Owns: per table, only the row counts of both sides (``applier cutover --verify counts``), or
+assigning rows to ranges, each side's count and hash sum per range, then the
 rows of the ranges that differ, and which keys are missing, extra or changed. Must never write
 to either database, or need PySpark.
 
@@ -24,7 +25,7 @@ from psycopg import sql
 from .report import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec
 from .snapshots import Snapshots
 
-__all__ = ["compare_sql"]
+__all__ = ["compare_sql", "count_sql"]
 
 
 def _row_text(spec: TableSpec) -> sql.Composable:
@@ -114,6 +115,20 @@ def _missing_columns(conn: psycopg.Connection[Any], spec: TableSpec) -> list[str
     if not found or found[0] is None:
         return ["(the table itself)"]
     return [c for c in spec.columns if c not in found[0]]
+
+
+def count_sql(snaps: Snapshots, spec: TableSpec) -> TableResult:
+    """Only the row counts of one table on both sides (the source's through its row filter)."""
+    result = TableResult(spec.display, key=list(spec.key or ["row"]))
+    if missing := _missing_columns(snaps.target, spec):
+        result.error = f"missing on the target: {', '.join(missing)}"
+        return result
+    sides: tuple[tuple[psycopg.Connection[Any], Literal["source", "target"]], ...] = (
+        (snaps.source, "source"), (snaps.target, "target"))
+    counts = [conn.execute(sql.SQL("SELECT count(*) FROM {}{}").format(
+        spec.qualified, _where(spec, side))).fetchone() for conn, side in sides]
+    result.source_rows, result.target_rows = (int(row[0]) if row else 0 for row in counts)
+    return result
 
 
 def compare_sql(snaps: Snapshots, spec: TableSpec, max_keys: int) -> TableResult:

@@ -2,7 +2,8 @@
 
 A worker consumes one logical replication slot on the source and keeps one target database equal
 to the source's published tables, applying every source transaction exactly once and in commit
-order. Owns the worker's start (bookkeeping schema, the single-worker lock, a skip request given
+order. Owns the worker's start (with ``--create-slot``, the checks of both servers before anything
+is created: ``applier.preflight``; bookkeeping schema, the single-worker lock, a skip request given
 on the command line), its sessions one after another (``session.ReplicationSession``), what
 happens between them (the error policy, ``applier.errors``, decides: a new session after a
 backoff, one at once, or a stop with advice), and its stop (SIGTERM or SIGINT end it between
@@ -41,6 +42,7 @@ from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decid
 from ..exit_codes import ExitCode
 from ..headstart import HeadStart
 from ..ops.metrics import Telemetry
+from ..preflight import PreflightFailed, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
 from ..progress.schema import make_engine, upgrade_schema
@@ -100,6 +102,10 @@ class Worker:
         try:
             self.telemetry.start()
             engine = self._engine = make_engine(self.settings.required("target"))
+            if self.settings.create_slot:
+                # Before the bookkeeping schema or the slot is created: a start that cannot
+                # succeed must leave nothing behind on either server.
+                self._with_retry(self._preflight)
             self._with_retry(lambda: upgrade_schema(engine))
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
@@ -130,6 +136,17 @@ class Worker:
                 self.spill_dir.rmdir()
             except OSError:
                 pass  # not there, or not empty (another process's files): leave it
+
+    def _preflight(self) -> None:
+        settings = self.settings
+        problems = check_start(settings.required("source"), settings.required("target"),
+                               slot=self.slot, publications=settings.publication,
+                               create_tables=bool(settings.create_tables), copy=False)
+        if problems:
+            count = len(problems)
+            raise WorkerFailed(f"applier run --create-slot cannot start (nothing was created); "
+                               f"fix {'this' if count == 1 else f'these {count} problems'} and "
+                               f"run it again:\n{PreflightFailed(problems)}")
 
     def _request_skip(self) -> None:
         assert self._engine is not None

@@ -276,3 +276,50 @@ def test_missing_privileges_are_listed_with_the_grants_that_fix_them(source_db, 
     assert f'GRANT TRUNCATE ON "public"."ledger" TO "{writer}"' in stderr
     assert f'GRANT SET ON PARAMETER session_replication_role TO "{writer}"' in stderr
     assert_nothing_created(source_db, target_db, "app.accounts")
+
+
+# -- run --create-slot and sequences (issue 26: a failed start leaves nothing behind) -------------
+
+def test_run_create_slot_checks_the_target_before_creating_anything(source_db, target_db) -> None:
+    """The worker created its bookkeeping schema before it looked at the source or the target."""
+    source_db.execute(f"{ACCOUNTS}; {LEDGER}; CREATE PUBLICATION pub FOR TABLE accounts, ledger")
+    target_db.execute("CREATE TABLE accounts (id int PRIMARY KEY, owner text)")
+    started = time.monotonic()
+    done = run_worker(source_db, target_db, "--create-slot", publication="pub,nopub", expect_rc=1)
+    assert time.monotonic() - started < AT_ONCE
+    assert "applier run --create-slot cannot start (nothing was created)" in done.stderr
+    assert "publication(s) 'nopub' do not exist" in done.stderr
+    assert 'target table "public"."accounts" has no column "balance"' in done.stderr
+    assert 'target table "public"."ledger" does not exist' in done.stderr
+    assert_nothing_created(source_db, target_db)
+
+
+def test_run_create_slot_names_the_privileges_applying_needs(source_db, target_db, roles) -> None:
+    _, writer = roles
+    source_db.execute(f"{LEDGER}; CREATE PUBLICATION pub FOR TABLE ledger")
+    target_db.execute(f"{LEDGER}; GRANT SELECT, INSERT ON ledger TO {writer}")
+    done = run_worker(source_db, Dsn(with_params(target_db.dsn, user=writer)), "--create-slot",
+                      expect_rc=1)
+    assert (f'lacks UPDATE, DELETE on "public"."ledger", which applying changes needs: '
+            f'GRANT UPDATE, DELETE ON "public"."ledger" TO "{writer}"') in done.stderr
+    assert "TRUNCATE" not in done.stderr  # the copy's privilege, not the apply's
+    assert_nothing_created(source_db, target_db)
+
+
+def test_sync_checks_the_sequences_it_sets_after_its_copy(source_db, target_db, roles) -> None:
+    reader, writer = roles
+    source_db.execute("CREATE TABLE counted (id serial PRIMARY KEY); "
+                      "CREATE PUBLICATION pub FOR TABLE counted")
+    source_db.execute(f"GRANT SELECT ON counted TO {reader}; ALTER ROLE {reader} REPLICATION")
+    target_db.execute(f"CREATE TABLE counted (id serial PRIMARY KEY); "
+                      f"GRANT SELECT, INSERT, TRUNCATE ON counted TO {writer}")
+    source = Dsn(with_params(source_db.dsn, user=reader))
+    target = Dsn(with_params(target_db.dsn, user=writer))
+    done, elapsed = sync(source, target)
+    stderr = refused(done, elapsed)
+    assert (f'source: role "{reader}" may not read sequence "public"."counted_id_seq", which sync '
+            f'sets on the target after its copy: GRANT SELECT ON SEQUENCE "public"."counted_id_seq" '
+            f'TO "{reader}"') in stderr
+    assert (f'target: role "{writer}" may not set sequence "public"."counted_id_seq"' in stderr
+            and f'GRANT UPDATE ON SEQUENCE "public"."counted_id_seq" TO "{writer}"' in stderr)
+    assert_nothing_created(source_db, target_db)

@@ -27,6 +27,9 @@ PRECEDENCE = {
     "verify": ("settle", "1.5", "0", "2.5"),
     "pipeline": ("group_by", "f", "e", "c"),
     "demo": ("seconds", "1", "2", "3"),
+    "sequences": ("margin", "1", "2", "3"),
+    "cutover": ("timeout", "1", "2", "3"),
+    "drop": ("slot", "f", "e", "c"),
 }
 
 

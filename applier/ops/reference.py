@@ -16,7 +16,7 @@ from ..config import OPTIONS, Option
 __all__ = ["BEGIN", "END", "REFERENCE_PATH", "config_reference", "reference_block",
            "update_reference"]
 
-BEGIN = "<!-- BEGIN CONFIG REFERENCE: generated from applier/config.py by `python -m applier.ops.reference` -->"
+BEGIN = "<!-- BEGIN CONFIG REFERENCE: generated from applier/config/options.py by `python -m applier.ops.reference` -->"
 END = "<!-- END CONFIG REFERENCE -->"
 
 #: Where the reference lives, relative to the repository root.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ..protocol.lsn import LSN
-from ..units import parse_size
+from ..units import DURATION, parse_duration, parse_size
 
 __all__ = ["Lag", "LagLimit", "measure_lag", "parse_lag_limit"]
 
@@ -61,9 +61,6 @@ class LagLimit:
         return lag.seconds > self.seconds
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|secs|seconds?|min|mins|minutes?|h|hours?|d|days?)\s*$",
-                       re.IGNORECASE)
-_SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
 _BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 
 
@@ -73,12 +70,8 @@ def parse_lag_limit(text: str) -> LagLimit:
     A number without a unit is refused (is ``5`` five bytes or five seconds?), except ``0``, which
     is the same either way.
     """
-    match = _DURATION.match(text)
-    if match:
-        unit = match.group(2).lower()
-        unit = {"secs": "s", "second": "s", "seconds": "s", "mins": "min", "minute": "min",
-                "minutes": "min", "hours": "hour", "days": "day"}.get(unit, unit)
-        return LagLimit(text, seconds=float(match.group(1)) * _SECONDS[unit])
+    if DURATION.match(text):
+        return LagLimit(text, seconds=parse_duration(text))
     if _BARE_NUMBER.match(text) and float(text) != 0:
         raise ValueError(f"lag limit {text!r} has no unit: write a size of WAL (e.g. "
                          f"{text.strip()}MB) or a duration (e.g. {text.strip()}s, {text.strip()}min)")

@@ -15,6 +15,9 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   It is sent where it began, as one COPY or as multi-row UPDATEs or DELETEs, so a change that
   must follow its rows (another kind
   of change of that table, a barrier) closes it first;
+- a table the change feed records (``--change-feed``) has no run, and none of its changes is
+  folded: each is recorded with its meta (``Op.meta``) and becomes a change row of its own
+  (``feed_sql``), the delete of a moved key too (``moved``);
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -36,6 +39,7 @@ from .batch_sql import (
     DELETE,
     DELETES,
     INSERT,
+    MOVED,
     SQL_TEXT,
     UPDATE,
     UPDATES,
@@ -48,6 +52,7 @@ from .batch_sql import (
     present_columns,
 )
 from .copy import copy_binary, copy_text
+from .feed import Meta
 from .mapping import RelationMapping
 from .statements import NEW, OLD
 
@@ -126,7 +131,7 @@ class Batch:
             getter = self._key_getters[relation_id] = itemgetter(*mapping.key_positions)
         return (relation_id, getter(row.values))
 
-    def insert(self, mapping: RelationMapping, new: TupleData) -> None:
+    def insert(self, mapping: RelationMapping, new: TupleData, meta: Meta | None = None) -> None:
         self._count(new)
         self.inserts += 1
         if self._open:
@@ -140,12 +145,14 @@ class Batch:
                     return
             self._close_runs(mapping)
         present = present_columns(new)
-        op = Op(INSERT, mapping, new, None, (INSERT, mapping.relation.relation_id, present, True, True))
-        if mapping.key_positions and not mapping.full_identity:
+        op = Op(INSERT, mapping, new, None, (INSERT, mapping.relation.relation_id, present, True, True),
+                meta=meta)
+        if mapping.key_positions and not mapping.full_identity and meta is None:
             self._last[self._key(mapping, new)] = len(self._ops)
         self._ops.append(op)
 
-    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
+    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
+               meta: Meta | None = None) -> None:
         self._count(new)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
@@ -156,6 +163,9 @@ class Batch:
             self._close_runs(mapping)
         assigned = present_columns(new)
         relation_id = mapping.relation.relation_id
+        if meta is not None:
+            self._recorded_update(mapping, new, old, meta, assigned)
+            return
         if mapping.full_identity or not mapping.key_positions or old is not None:
             # No key to fold on, or the key itself changed (the server sent the old key): this
             # change stands alone and ends folding for both keys.
@@ -190,7 +200,25 @@ class Batch:
         ops.append(Op(UPDATE, mapping, new, None,
                        (UPDATE, relation_id, assigned, NEW, mapping.key_positions, True, True)))
 
-    def delete(self, mapping: RelationMapping, old: TupleData) -> None:
+    def _recorded_update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
+                         meta: Meta, assigned: tuple[int, ...]) -> None:
+        """An update of a table the change feed records: never folded (each is a change row);
+        by key in multi-row statements unless it moves the row to another key."""
+        by_key = not mapping.full_identity
+        match = mapping.key_positions if by_key or old is None else present_columns(old)
+        source = OLD if old is not None else NEW
+        self._ops.append(Op(UPDATE, mapping, new, old,
+                            (UPDATE, mapping.relation.relation_id, assigned, source, match, by_key,
+                             by_key and old is None), meta=meta))
+
+    def moved(self, mapping: RelationMapping, old: TupleData, positions: tuple[int, ...],
+              meta: Meta) -> None:
+        """The change row recording the delete of the old key of an update that moves its row
+        (recorded just before that update)."""
+        self._ops.append(Op(MOVED, mapping, old, None,
+                            (MOVED, mapping.relation.relation_id, positions, False), meta=meta))
+
+    def delete(self, mapping: RelationMapping, old: TupleData, meta: Meta | None = None) -> None:
         self._count(old)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
@@ -202,11 +230,11 @@ class Batch:
         relation_id = mapping.relation.relation_id
         if mapping.full_identity:
             self._ops.append(Op(DELETE, mapping, old, None,
-                                 (DELETE, relation_id, present_columns(old), False, False)))
+                                 (DELETE, relation_id, present_columns(old), False, False), meta=meta))
             return
         self._last.pop(self._key(mapping, old), None)
         self._ops.append(Op(DELETE, mapping, old, None,
-                             (DELETE, relation_id, mapping.key_positions, True, True)))
+                             (DELETE, relation_id, mapping.key_positions, True, True), meta=meta))
 
     def statement(self, sql: str) -> None:
         """A statement that must run in order and ends all folding (TRUNCATE)."""

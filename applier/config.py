@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from .ops.lag import LagLimit, parse_lag_limit
 from .protocol.lsn import LSN
-from .units import format_size, parse_size
+from .units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = ["ConfigError", "Option", "OPTIONS", "Settings", "parse_size", "mask_dsn", "load_settings",
            "options_for", "CONFLICT_POLICIES", "parse_conflict_policies", "parse_table_name"]
@@ -54,7 +54,7 @@ def _parse_lag(value: str | int | LagLimit) -> LagLimit:
 
 #: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
 _PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
-                 "lsn": "LSN", "lag": "SIZE|DURATION"}
+                 "lsn": "LSN", "lag": "SIZE|DURATION", "duration": "DURATION"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Option:
 
     name: str                      # snake_case; --kebab-case on the command line; APPLIER_UPPER in env
     help: str                      # says what the default means when ``default`` cannot show it
-    kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
+    kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag | duration
     default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
     choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
@@ -102,6 +102,8 @@ class Option:
             return "true" if value else "false"
         if self.kind == "size":
             return format_size(value)
+        if self.kind == "duration":
+            return format_duration(value)
         if isinstance(value, LagLimit):
             return value.text
         if isinstance(value, list):
@@ -126,7 +128,7 @@ class Option:
         converters: dict[str, Callable[[Any], Any]] = {
             "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
-            "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
+            "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag, "duration": parse_duration,
         }
         try:
             value = converters[self.kind](raw)
@@ -238,6 +240,17 @@ OPTIONS: tuple[Option, ...] = (
            "applier.schema_changes. Any other type change stops the worker. error: the worker "
            "stops at a missing column, as PostgreSQL's subscriber does.",
            kind="choice", choices=("follow", "error"), default="follow"),
+    Option("change_feed", "Record every row change applied to these tables, in the same target "
+           "transaction, in a change table of each (schema applier_changes, partitioned by "
+           "source commit LSN): the row, the operation (insert, update, delete; truncate as a "
+           "marker), the source commit LSN, commit time, xid and the change's order in its "
+           "transaction. 'all': every published table; else SCHEMA.TABLE names, comma separated. "
+           "Spark reads it with applier.spark.read_changes. Default: off.", kind="list",
+           default=[], metavar="all|TABLE[,TABLE...]"),
+    Option("change_feed_retention", "How long the change feed keeps history: partitions whose "
+           "changes are all older than this are dropped in the background (never while a reader "
+           "holds a snapshot of the change tables). Units s, min, h, d.", kind="duration",
+           default=7 * 86400.0),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget. Default: a directory per slot under the system temp directory.", kind="path",
            commands=("run", "sync", "status")),
@@ -379,6 +392,8 @@ class Settings:
     memory_budget: int
     streamed_apply: Literal["early", "commit"]
     schema_changes: Literal["follow", "error"]
+    change_feed: list[str]
+    change_feed_retention: float
     spill_dir: Path | None
     batch_rows: int
     batch_bytes: int
@@ -536,6 +551,13 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("progress_interval must be at least 1 second")
     if settings.memory_budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")
+    if settings.change_feed_retention < 1:
+        raise ConfigError("change_feed_retention must be at least 1s")
+    if "all" in settings.change_feed and len(settings.change_feed) > 1:
+        raise ConfigError("change_feed: 'all' already names every published table; give it alone")
+    for name in settings.change_feed:
+        if name != "all":
+            parse_table_name(name, "change_feed")
     if settings.conflict_policy:
         parse_conflict_policies(settings.conflict_policy)
     if settings.command == "pipeline" and len(settings.table) != 1:
@@ -549,7 +571,7 @@ def _validate(settings: Settings) -> None:
 CONFLICT_POLICIES = ("apply", "error", "keep-local")
 
 
-def parse_table_name(text: str) -> tuple[str, str]:
+def parse_table_name(text: str, option: str = "conflict_policy") -> tuple[str, str]:
     """``schema.table`` (either part may be double-quoted) or ``table`` (schema public)."""
     parts: list[str] = []
     current: list[str] = []
@@ -574,7 +596,7 @@ def parse_table_name(text: str) -> tuple[str, str]:
         i += 1
     parts.append("".join(current))
     if quoted or not 1 <= len(parts) <= 2 or not all(parts):
-        raise ConfigError(f"conflict_policy: {text!r} is not a table name (schema.table or table)")
+        raise ConfigError(f"{option}: {text!r} is not a table name (schema.table or table)")
     return ("public", parts[0]) if len(parts) == 1 else (parts[0], parts[1])
 
 
@@ -616,7 +638,7 @@ _SAMPLES: dict[str, Any] = {
     "slot": "applier_app", "publication": ["app_pub"], "spill_dir": "/var/lib/applier/spill",
     "skip_lsn": "16/B374D848", "lsn": "16/B374D848", "metrics_port": 9188, "max_lag": "64MB",
     "master": "spark://spark.example:7077", "jdbc_jar": "/usr/share/java/postgresql.jar",
-    "output": "/var/lib/applier/pipeline",
+    "output": "/var/lib/applier/pipeline", "change_feed": ["public.orders", "public.customers"],
 }
 _KIND_SAMPLES: dict[str, Any] = {"bool": True, "int": 4, "str": ""}
 
@@ -627,6 +649,8 @@ def _toml_example(option: Option) -> str:
         value = option.choices[0] if option.choices else _KIND_SAMPLES[option.kind]
     if option.kind == "size" and isinstance(value, int):
         value = format_size(value)
+    elif option.kind == "duration" and isinstance(value, float):
+        value = format_duration(value)
     elif isinstance(value, (LagLimit, Path)):
         value = str(value.text if isinstance(value, LagLimit) else value)
     return json.dumps(value)  # the JSON of a string, number, boolean or list is TOML too

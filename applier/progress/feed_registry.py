@@ -245,6 +245,12 @@ class FeedRegistry:
             return None
         dropped = []
         for change_table, old in todo:
+            if self._rows("SELECT 1 FROM pg_catalog.pg_locks WHERE locktype = 'relation' AND "
+                          "relation = %s::regclass AND pid IS NULL",
+                          (change_table.ident.as_string(),)):
+                # A transaction prepared on the target holds it until COMMIT PREPARED: waiting
+                # would only hold up the apply session queued behind this lock request.
+                continue
             self._rows(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(change_table.ident))
             for part in old:
                 self._rows(sql.SQL("DROP TABLE {}").format(sql.Identifier(SCHEMA, part.name)))

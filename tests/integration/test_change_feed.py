@@ -139,6 +139,24 @@ def test_commit_lsn_is_the_source_commit_and_history_starts_with_the_feed(source
     assert [r[4:] for r in changes(target_db, "pk_t", ["id"])] == [("I", "4")]
 
 
+def test_schema_changes_reach_the_change_table(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO pk_t VALUES (1, 'a', 1)")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    source_db.execute("ALTER TABLE pk_t ADD COLUMN note text, ALTER COLUMN qty TYPE bigint")
+    source_db.execute("INSERT INTO pk_t VALUES (2, 'b', 5000000000, 'new column')")
+    source_db.execute("UPDATE pk_t SET note = 'set' WHERE id = 1")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    types = dict(target_db.query(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+        "'applier_changes.\"public.pk_t\"'::regclass AND attnum > 0 AND NOT attisdropped"))
+    assert types["note"] == "text" and types["qty"] == "bigint"
+    found = check_feed(source_db, target_db, "pk_t")
+    assert [r[4:] for r in changes(target_db, "pk_t", ["id", "qty", "note"])] == [
+        ("I", "1", "1", None), ("I", "2", "5000000000", "new column"), ("U", "1", "1", "set")]
+    assert ops(found) == {"I": 2, "U": 1}
+
+
 @pytest.mark.parametrize("streamed_apply", ["early", "commit"])
 def test_streamed_transactions_with_aborted_subtransactions(source_db, target_db,
                                                             streamed_apply: str) -> None:

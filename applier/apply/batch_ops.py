@@ -1,25 +1,35 @@
 """The fast path's recorded changes: ``Op``, the statements they become (``BatchStatement``), the
-run protocols of the lane, and the helpers that read a row's values and formats.
+run protocols of the lane, the change feed's rows buffered per table (``FeedRows``), the sizes of
+multi-row statements, and the helpers that read a row's values and formats.
 
-Owns only these shapes. Must never build SQL (``batch_sql``, ``feed_sql``) or record anything
-(``batch``).
+Owns only these shapes and sizes. Must never build SQL (``batch_sql``, ``feed_sql``) or record
+anything (``batch``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
 from .feed import Meta
 from .mapping import RelationMapping
 
-__all__ = ["BatchStatement", "COPY", "DELETE", "DELETES", "FORMATS", "INSERT", "KeyRun", "MOVED",
-           "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES", "collect", "every_column", "in_format",
-           "present_columns"]
+__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",
+           "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",
+           "chunks", "collect", "every_column", "in_format", "present_columns"]
 
-#: Op kinds; MOVED: the change row of the delete of a key an update moved its row from.
-INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES, MOVED = 0, 1, 2, 3, 4, 5, 6, 7
+#: Op kinds. MOVED: the change row of the delete of a key an update moved its row from, when the
+#: old row cannot go with ``FEED_ROWS``; FEED_ROWS: the change rows of one table written from the
+#: values the source sent (``FeedRows``).
+INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES, MOVED, FEED_ROWS = range(9)
+#: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
+_LADDER = (1000, 100, 10, 1)
+_MAX_PARAMS = 65_000
+#: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
+#: COPY (one more round trip) costs more than the statements it replaces.
+COPY_MIN_ROWS = 200
 
 
 @dataclass(slots=True)
@@ -30,8 +40,17 @@ class Op:
     old: TupleData | None          # update: the old key/row when sent
     shape: tuple                   # what makes two ops share one statement
     sql: str = ""                  # SQL_TEXT ops: a statement sent as is (TRUNCATE)
-    run: Run | KeyRun | None = None  # COPY, UPDATES and DELETES ops: the run
+    run: Run | KeyRun | FeedRows | None = None  # COPY, UPDATES, DELETES, FEED_ROWS ops: the run
     meta: Meta | None = None       # a table the change feed records: the change's meta
+
+
+@dataclass(slots=True)
+class FeedRows:
+    """Change rows of one recorded table whose values the source sent whole (inserts, updates of
+    every column, the old key of a moved row): (meta, op, row), written as they are."""
+
+    mapping: RelationMapping
+    rows: list[tuple[Meta, str, TupleData]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -108,3 +127,14 @@ def collect(row: TupleData | None, positions: tuple[int, ...], values: list[byte
     for i in positions:
         values.append(row_values[i])  # type: ignore[arg-type]
         formats.append(1 if kinds[i] == KIND_BINARY else 0)
+
+
+def chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
+    """(position, size) of the multi-row statements for ``count`` rows: the largest ladder step
+    that fits, under PostgreSQL's limit on parameters per statement."""
+    largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
+    position = 0
+    while position < count:
+        size = next(step for step in (largest, *_LADDER) if step <= largest and step <= count - position)
+        yield position, size
+        position += size

@@ -20,17 +20,21 @@ from ..protocol.messages import KIND_BINARY
 from . import feed_sql
 from .batch_ops import (
     COPY,
+    COPY_MIN_ROWS,
     DELETE,
     DELETES,
+    FEED_ROWS,
     INSERT,
     MOVED,
     SQL_TEXT,
     UPDATE,
     UPDATES,
     BatchStatement,
+    FeedRows,
     KeyRun,
     Op,
     Run,
+    chunks,
     collect,
     every_column,
     in_format,
@@ -40,16 +44,10 @@ from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
 from .mapping import RelationMapping
 from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
 
-__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "INSERT",
-           "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES", "every_column",
-           "in_format", "present_columns"]
+__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "FEED_ROWS",
+           "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",
+           "every_column", "in_format", "present_columns"]
 
-#: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
-_LADDER = (1000, 100, 10, 1)
-_MAX_PARAMS = 65_000
-#: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
-#: COPY (one more round trip) costs more than the statements it replaces.
-COPY_MIN_ROWS = 200
 
 
 class Emitter:
@@ -138,6 +136,9 @@ class Emitter:
         if first.kind == UPDATES or first.kind == DELETES:
             yield from self._by_key(first)
             return
+        if first.kind == FEED_ROWS:
+            yield from feed_sql.feed_rows(first.run, self._sql)  # type: ignore[arg-type]
+            return
         if first.kind == MOVED:
             yield feed_sql.moved(first, self._sql)
             return
@@ -145,20 +146,12 @@ class Emitter:
             copy = self._copy(run)
             if copy is not None:
                 yield copy
-                if first.meta is not None:
-                    assert first.row is not None and first.mapping is not None
-                    text, data = feed_sql.insert_copy(first.mapping, [(op.meta, op.row) for op in run],  # type: ignore[misc]
-                                                      KIND_BINARY in first.row.kinds)
-                    yield BatchStatement(None, text, [], [], len(run), data)
                 return
         per_row = self._params_per_row(first) + (feed_sql.META_PARAMS if first.meta is not None else 0)
-        for position, size in _chunks(len(run), per_row):
+        for position, size in chunks(len(run), per_row):
             chunk = run[position:position + size]
             if first.meta is None:
                 yield self._chunk(chunk)
-            elif first.kind == INSERT:
-                yield self._chunk(chunk)
-                yield feed_sql.recorded_inserts(chunk, self._sql)
             else:
                 yield feed_sql.recorded(chunk, self._sql, self._guard)
 
@@ -176,7 +169,7 @@ class Emitter:
         else:
             shape = (DELETE, relation_id, keys, True, True)
             per_row = len(keys)
-        for position, size in _chunks(len(run), per_row):
+        for position, size in chunks(len(run), per_row):
             values = run.params(position, position + size)
             sql = (self._update_text if op.kind == UPDATES else self._delete_text)(mapping, shape, size)
             yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
@@ -267,17 +260,6 @@ def _key_of(op: Op) -> tuple:
     row = op.old if source == OLD else op.row
     assert row is not None
     return tuple(row.values[i] for i in key_positions)
-
-
-def _chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
-    """(position, size) of the multi-row statements for ``count`` rows: the largest ladder step
-    that fits, under PostgreSQL's limit on parameters per statement."""
-    largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
-    position = 0
-    while position < count:
-        size = next(step for step in (largest, *_LADDER) if step <= largest and step <= count - position)
-        yield position, size
-        position += size
 
 
 def _copy_sql(mapping: RelationMapping, binary: bool) -> str:

@@ -378,10 +378,8 @@ class Applier:
         meta = feed.meta(change_table)
         if self._fast:
             assert self.fast is not None
-            if moved is not None:
-                assert msg.old_tuple is not None and moved_meta is not None
-                self.fast.moved(mapping, msg.old_tuple, moved, moved_meta)
-            self.fast.update(mapping, msg.new_tuple, msg.old_tuple, meta)
+            self.fast.update(mapping, msg.new_tuple, msg.old_tuple, meta,
+                             None if moved is None or moved_meta is None else (moved, moved_meta))
         else:
             self.careful.update(mapping, msg, key_source, key_positions, meta, moved, moved_meta)
 

@@ -98,18 +98,13 @@ class FastPath:
         self._bound()
 
     def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
-               meta: Meta | None = None) -> None:
-        self.batch.update(mapping, new, old, meta)
+               meta: Meta | None = None, moved: tuple[tuple[int, ...], Meta] | None = None) -> None:
+        self.batch.update(mapping, new, old, meta, moved)
         self._bound()
 
     def delete(self, mapping: RelationMapping, old: TupleData, meta: Meta | None = None) -> None:
         self.batch.delete(mapping, old, meta)
         self._bound()
-
-    def moved(self, mapping: RelationMapping, old: TupleData, positions: tuple[int, ...],
-              meta: Meta) -> None:
-        """The change feed's row for the old key of an update that moves its row."""
-        self.batch.moved(mapping, old, positions, meta)
 
     def statement(self, sql: str) -> None:
         """A statement that runs in order with the rows around it (TRUNCATE, SAVEPOINT)."""

@@ -1,15 +1,17 @@
 """The fast path's change rows (``--change-feed``): SQL and COPY data for a run of changes of a
 table the change feed records.
 
-Owns the statements that record a run's changes in the table's change table, each with the
-same row count as the data it records, so the fast path's exact counts still hold:
+Owns the statements that record changes in a table's change table, each with an exact row
+count, so the fast path's checks still hold:
 
-* inserts: a second multi-row INSERT of the same values (each row preceded by its meta) into
-  the change table, or, when the data went as one COPY, a second COPY in the same format;
-* updates and deletes by key: one statement, ``WITH c AS (UPDATE t ... FROM (VALUES ...)`` (or
-  ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from its VALUES row and the
-  whole new (or old) row, ``INSERT INTO <change table> SELECT ... FROM c``;
-* single-row statements (REPLICA IDENTITY FULL) wrapped the same way, the meta as parameters.
+* change rows written from the values the source sent (``FeedRows``: inserts, updates of every
+  column, old keys of moved rows), each after its meta: one COPY per table and value format from
+  ``COPY_MIN_ROWS`` rows on, else multi-row INSERTs;
+* updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
+  FROM (VALUES ...)`` (or ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from
+  its VALUES row and the whole new (or old) row, ``INSERT INTO <change table> SELECT ... FROM c``,
+  whose row count is the data's; single-row statements (REPLICA IDENTITY FULL) wrapped the same
+  way, the meta as parameters.
 
 Must never record, fold or send anything (``batch`` records, ``batch_sql`` turns runs into
 statements and calls this, the pipeline sends).
@@ -23,15 +25,15 @@ from psycopg import sql
 
 from ..progress import feed as layout
 from ..progress.feed import META_TYPES
-from ..protocol.messages import TupleData
-from .batch_ops import UPDATE, BatchStatement, Op, collect
+from ..protocol.messages import KIND_BINARY
+from .batch_ops import COPY_MIN_ROWS, FORMATS, UPDATE, BatchStatement, FeedRows, Op, chunks, collect
 from .copy import copy_binary, copy_binary_data, copy_text
-from .feed import Meta, binary_meta, text_meta
+from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
 from .statements import OLD, column, delete_sql, placeholder, table, update_sql
 
-__all__ = ["META_PARAMS", "insert_copy", "insert_rows_sql", "update_rows_sql", "delete_rows_sql",
-           "single_sql", "recorded_inserts", "recorded", "moved"]
+__all__ = ["META_PARAMS", "feed_rows", "rows_sql", "update_rows_sql", "delete_rows_sql", "single_sql",
+           "recorded", "moved"]
 
 #: Parameters of a change row's meta (commit LSN, time, xid, order; the op is a literal).
 META_PARAMS = 4
@@ -58,35 +60,60 @@ def _values(mapping: RelationMapping, positions: Sequence[int], rows: int) -> sq
     return sql.SQL(", ").join(groups)
 
 
-def insert_rows_sql(mapping: RelationMapping, present: tuple[int, ...], rows: int, op: str = "I") -> str:
+def rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> str:
     """``INSERT INTO <change table> VALUES (<meta>, <op>, <values>), ...``; parameters per row:
-    the four meta values, then the values of ``present``."""
+    the four meta values, the op, then the values of ``positions``."""
     change_table = mapping.feed
     assert change_table is not None
-    width = len(present) + META_PARAMS
+    width = len(positions) + META_PARAMS + 1
     groups = []
     for r in range(rows):
         base = r * width + 1
         groups.append(sql.SQL("({})").format(sql.SQL(", ").join(
-            [*_meta(base), sql.Literal(op),
-             *(placeholder(mapping, i, base + META_PARAMS + n) for n, i in enumerate(present))])))
-    return sql.SQL("{} VALUES {}").format(layout.insert_prefix(change_table, _columns(mapping, present)),
+            [*_meta(base), sql.SQL("${}::{}").format(sql.SQL(str(base + META_PARAMS)),
+                                                     sql.SQL(META_TYPES[META_PARAMS])),
+             *(placeholder(mapping, i, base + META_PARAMS + 1 + n) for n, i in enumerate(positions))])))
+    return sql.SQL("{} VALUES {}").format(layout.insert_prefix(change_table, _columns(mapping, positions)),
                                          sql.SQL(", ").join(groups)).as_string()
 
 
-def insert_copy(mapping: RelationMapping, rows: Sequence[tuple[Meta, TupleData]],
-                binary: bool) -> tuple[str, bytes]:
-    """A COPY of the change rows of inserts of every column, in the format of their values."""
+def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
+    """Change rows written from the values the source sent, every column of each: a COPY per
+    value format from COPY_MIN_ROWS rows on, else multi-row INSERTs."""
+    mapping = rows.mapping
     change_table = mapping.feed
     assert change_table is not None
-    if binary:
-        data = copy_binary_data(copy_binary([(*binary_meta(meta), b"I", *row.values)  # type: ignore[arg-type]
-                                             for meta, row in rows]))
-    else:
-        data = copy_text([(*text_meta(meta), b"I", *row.values)  # type: ignore[arg-type]
-                          for meta, row in rows])
+    statements = []
+    binary = [r for r in rows.rows if KIND_BINARY in r[2].kinds]
+    text = [r for r in rows.rows if KIND_BINARY not in r[2].kinds] if binary else rows.rows
     columns = [c.name for c in mapping.target_columns]
-    return layout.copy_sql(change_table, columns, binary), data
+    every = tuple(range(len(columns)))
+    for group, is_binary in ((text, False), (binary, True)):
+        if len(group) >= COPY_MIN_ROWS:
+            if is_binary:
+                data = copy_binary_data(copy_binary([(*binary_meta(meta), op.encode(), *row.values)  # type: ignore[arg-type]
+                                                     for meta, op, row in group]))
+            else:
+                data = copy_text([(*text_meta(meta), op.encode(), *row.values)  # type: ignore[arg-type]
+                                  for meta, op, row in group])
+            statements.append(BatchStatement(None, layout.copy_sql(change_table, columns, is_binary),
+                                             [], [], len(group), data))
+            continue
+        for position, size in chunks(len(group), len(every) + META_PARAMS + 1):
+            values: list[bytes | None] = []
+            formats: list[int] = []
+            for meta, op, row in group[position:position + size]:
+                values.extend(text_meta(meta))
+                values.append(op.encode())
+                values.extend(row.values)  # type: ignore[arg-type]
+                formats.extend((0, 0, 0, 0, 0))
+                formats.extend(row.kinds.translate(FORMATS))
+            key = (("feed rows", mapping.relation.relation_id), size)
+            statement = cache.get(key)
+            if statement is None:
+                statement = cache[key] = rows_sql(mapping, every, size)
+            statements.append(BatchStatement(key, statement, values, formats, size))
+    return statements
 
 
 def update_rows_sql(mapping: RelationMapping, assigned: tuple[int, ...],
@@ -142,25 +169,6 @@ def single_sql(mapping: RelationMapping, data_sql: str, params: int, op: str) ->
 
 # -- runs of ops (batch_sql.Emitter) ----------------------------------------------------------------
 
-def recorded_inserts(chunk: list[Op], cache: dict[tuple, str]) -> BatchStatement:
-    """The change rows of a chunk of inserts: the same values, each row after its meta."""
-    first = chunk[0]
-    mapping = first.mapping
-    assert mapping is not None
-    present = first.shape[2]
-    values: list[bytes | None] = []
-    formats: list[int] = []
-    for op in chunk:
-        values.extend(text_meta(op.meta))  # type: ignore[arg-type]
-        formats.extend((0, 0, 0, 0))
-        collect(op.row, present, values, formats)
-    key = (first.shape, len(chunk), "feed")
-    text = cache.get(key)
-    if text is None:
-        text = cache[key] = insert_rows_sql(mapping, present, len(chunk))
-    return BatchStatement(key, text, values, formats, len(chunk))
-
-
 def recorded(chunk: list[Op], cache: dict[tuple, str],
              guard: Callable[[str], str] | None) -> BatchStatement:
     """Updates or deletes of a recorded table, the statement writing their change rows."""
@@ -202,15 +210,15 @@ def recorded(chunk: list[Op], cache: dict[tuple, str],
 
 
 def moved(op: Op, cache: dict[tuple, str]) -> BatchStatement:
-    """The change row of the delete of the key an update moved its row from."""
+    """The change row of the delete of the key an update moved its row from (the columns sent)."""
     mapping = op.mapping
     assert mapping is not None and op.meta is not None
     positions = op.shape[2]
-    values: list[bytes | None] = text_meta(op.meta)
-    formats = [0, 0, 0, 0]
+    values: list[bytes | None] = [*text_meta(op.meta), b"D"]
+    formats = [0, 0, 0, 0, 0]
     collect(op.row, positions, values, formats)
     key = (op.shape, 1, "feed")
     text = cache.get(key)
     if text is None:
-        text = cache[key] = insert_rows_sql(mapping, positions, 1, "D")
+        text = cache[key] = rows_sql(mapping, positions, 1)
     return BatchStatement(key, text, values, formats, 1)

@@ -72,27 +72,51 @@ def test_a_truncate_leaves_a_marker_and_a_moved_key_a_delete_row() -> None:
     assert moved_values[4:] == [b"1"]  # the old key
 
 
-def test_the_fast_path_records_every_change_and_never_updates_one_key_twice_in_a_statement() -> None:
+def _recorded(r: Rig, text_starts: str) -> list[list[bytes | None]]:
+    """The values of the statements starting with ``text_starts`` that the target received."""
+    return [values for text, values in r.target.calls if text.startswith(text_starts)]
+
+
+def test_the_fast_path_records_each_change_and_still_folds_the_data() -> None:
+    """Inserts and updates of every column: change rows from the values sent (one multi-row
+    INSERT per part here, a COPY when long), the data folded as without the feed. A delete
+    records the whole old row the target returns."""
     r, _ = _rig(fast=True)
     r.target.rows = lambda text, values: max(1, text.count("($"))  # one row per VALUES row
     keys = [str(n).encode() for n in range(1, 11)]
     _transaction(r, 700, 0x1000, *(Insert(None, 1, _row(k, b"a")) for k in keys))
     _transaction(r, 701, 0x2000, *(Update(None, 1, None, None, _row(k, b"b")) for k in keys),
-                 Update(None, 1, None, None, _row(b"1", b"c")))  # key 1 again: not folded
+                 Update(None, 1, None, None, _row(b"1", b"c")))  # key 1 again
     _transaction(r, 702, 0x3000, Delete(None, 1, "K", _row(b"2", None)))
     r.applier.flush()
     (batch,) = r.target.transactions
-    kinds = [(text.split(None, 1)[0], "UPDATE" in text, "DELETE" in text) for text in batch]
-    assert kinds == [("INSERT", False, False), ("INSERT", False, False),  # data, change rows
-                     ("WITH", True, False), ("WITH", True, False),        # ten keys; key 1 again
-                     ("WITH", False, True)]
-    calls = {text: values for text, values in r.target.calls}
-    recorded_inserts = calls[batch[1]]
-    assert len(recorded_inserts) == 10 * (4 + 2)
-    assert recorded_inserts[:4] == [b"0/1000", T0.isoformat().encode(), b"700", b"1"]
-    first_updates, second_update = calls[batch[2]], calls[batch[3]]
-    assert len(first_updates) == 10 * (2 + 1 + 4) and first_updates[-1] == b"10"
-    assert second_update[-4:] == [b"0/2000", T0.isoformat().encode(), b"701", b"11"]
+    # The data: inserts of the final rows (each insert then update folded into one), no UPDATE.
+    assert not any(text.startswith('UPDATE "public"."t"') for text in batch)
+    deletes = [text for text in batch if text.startswith("WITH") and "DELETE" in text]
+    assert len(deletes) == 1 and "RETURNING" in deletes[0]
+    recorded = [values for values in _recorded(r, f"INSERT INTO {CT}")]
+    rows = [chunk[i:i + 7] for chunk in recorded for i in range(0, len(chunk), 7)]
+    assert [(row[2], row[3], row[4], row[5], row[6]) for row in rows] == (
+        [(b"700", str(n).encode(), b"I", k, b"a") for n, k in enumerate(keys, 1)]
+        + [(b"701", str(n).encode(), b"U", k, b"b") for n, k in enumerate(keys, 1)]
+        + [(b"701", b"11", b"U", b"1", b"c")])
+    assert _recorded(r, "WITH")[-1][-4:] == [b"0/3000", T0.isoformat().encode(), b"702", b"1"]
+
+
+def test_an_update_that_left_a_toast_value_unchanged_is_recorded_from_the_target_row() -> None:
+    r, _ = _rig(fast=True)
+    unchanged = TupleData(bytes([ord("t"), ord("u")]), (b"1", None))
+    _transaction(r, 700, 0x1000, Update(None, 1, None, None, _row(b"1", b"a")),
+                 Update(None, 1, None, None, unchanged), Update(None, 1, None, None, _row(b"1", b"c")))
+    r.applier.flush()
+    (batch,) = r.target.transactions
+    kinds = [(text.split(None, 1)[0], "RETURNING" in text) for text in batch]
+    # In order, none folded across the one the target records: data, recorded, data, then the
+    # change rows of the other two (one statement each: two rows take the ladder's 1 + 1).
+    assert kinds == [("UPDATE", False), ("WITH", True), ("UPDATE", False), ("INSERT", False),
+                     ("INSERT", False)]
+    returned = _recorded(r, "WITH")[0]
+    assert returned[-1] == b"2"  # its order in the transaction
 
 
 def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> None:

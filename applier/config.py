@@ -263,6 +263,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("batch_time", "Fast apply: milliseconds a target transaction may stay open collecting "
            "source transactions (it also commits whenever the stream is idle).", kind="int",
            default=500, metavar="MS"),
+    Option("batch_wait", "Fast apply: milliseconds a batch may wait, when the stream pauses, for "
+           "more source transactions to join it before it commits. 0 commits at every pause (the "
+           "least lag); a few let batches grow with the load, so the target commits and flushes "
+           "less often: less CPU per transaction for a little more lag.", kind="int", default=2,
+           metavar="MS"),
     Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "
            "slot is only told positions whose target commits the target has flushed to disk.",
            kind="choice", choices=("on", "off"), default="off"),
@@ -398,6 +403,7 @@ class Settings:
     batch_rows: int
     batch_bytes: int
     batch_time: int
+    batch_wait: int
     synchronous_commit: Literal["on", "off"]
     exit_when_caught_up: bool
     status_interval: int
@@ -545,6 +551,8 @@ def _validate(settings: Settings) -> None:
     for name in ("batch_rows", "batch_time", "jobs"):
         if getattr(settings, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
+    if not 0 <= settings.batch_wait <= settings.batch_time:
+        raise ConfigError(f"batch_wait must be between 0 and batch_time ({settings.batch_time} ms)")
     if settings.range_size < 8192:
         raise ConfigError("range_size must be at least one block (8kB)")
     if settings.progress_interval < 1:

@@ -80,14 +80,15 @@ def _slot_problems(settings: Settings) -> list[str]:
             return []
     source = settings.source
     if not source:
-        return [f"slot {slot!r} is unknown to the target: no applier.progress or "
-                "applier.table_sync row names it, so no worker has run for it. Check --slot; to "
+        return [f"slot {slot!r} is unknown to the target: no row of the applier schema names it "
+                "(progress, table sync, published tables, conflicts), so no worker has run for "
+                "it. Check --slot; to "
                 "store a skip before the slot's first run, pass --source so that applier skip "
                 "can check that the slot exists there"]
     with connect(source, "source") as conn:
         if slot_info(conn, slot) is not None:
             return []
         database = conn.info.dbname
-    return [f"slot {slot!r} is unknown: the target has recorded nothing for it (no "
-            "applier.progress or applier.table_sync row) and the source has no replication slot "
+    return [f"slot {slot!r} is unknown: the target has recorded nothing for it and the source "
+            "has no replication slot "
             f"of that name in database {database!r}. Check --slot and --source"]

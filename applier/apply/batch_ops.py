@@ -28,7 +28,9 @@ INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES, MOVED, FEED_ROWS = ran
 _LADDER = (1000, 100, 10, 1)
 _MAX_PARAMS = 65_000
 #: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
-#: COPY (one more round trip) costs more than the statements it replaces.
+#: COPY (two round trips of its own, and one more for what was queued before it) costs more than
+#: the multi-row INSERTs it replaces, which join the batch's pipeline. The lane's runs are held as
+#: COPY data; a short one is read back into rows for those INSERTs.
 COPY_MIN_ROWS = 200
 
 

@@ -40,7 +40,7 @@ from .batch_ops import (
     in_format,
     present_columns,
 )
-from .copy import copy_binary, copy_binary_data, copy_sql, copy_text
+from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_sql, copy_text, copy_text_rows
 from .mapping import RelationMapping
 from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
 
@@ -128,10 +128,12 @@ class Emitter:
         if first.kind == COPY:
             copy_run: Run = first.run  # type: ignore[assignment]
             assert first.mapping is not None
-            if copy_run.rows:
+            if copy_run.rows >= COPY_MIN_ROWS:
                 data = copy_binary_data(copy_run.data) if copy_run.binary else copy_run.data
                 yield BatchStatement(None, _copy_sql(first.mapping, copy_run.binary), [], [],
                                      copy_run.rows, data)
+            elif copy_run.rows:
+                yield from self._short_run(first.mapping, copy_run)
             return
         if first.kind == UPDATES or first.kind == DELETES:
             yield from self._by_key(first)
@@ -173,6 +175,20 @@ class Emitter:
             values = run.params(position, position + size)
             sql = (self._update_text if op.kind == UPDATES else self._delete_text)(mapping, shape, size)
             yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
+
+    def _short_run(self, mapping: RelationMapping, run: Run) -> Iterator[BatchStatement]:
+        """A run too short for a COPY as multi-row INSERTs, shaped (and so prepared) as the
+        ordinary path's inserts of every column."""
+        rows = copy_binary_rows(run.data) if run.binary else copy_text_rows(run.data)
+        every = every_column(run.columns)
+        shape = (INSERT, mapping.relation.relation_id, every, True, True)
+        for position, size in chunks(len(rows), run.columns):
+            values = [value for row in rows[position:position + size] for value in row]
+            sql_key = (shape, size)
+            sql = self._sql.get(sql_key)
+            if sql is None:
+                sql = self._sql[sql_key] = _insert_sql(mapping, every, size)
+            yield BatchStatement(sql_key, sql, values, [int(run.binary)] * len(values), size)
 
     @staticmethod
     def _copy(run: list[Op]) -> BatchStatement | None:

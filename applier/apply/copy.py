@@ -12,6 +12,9 @@ value's length and bytes (-1 for NULL), and the data has a fixed header and trai
 tuples (``copy_binary_data``). A row mixing text and binary values fits neither format and stays
 on multi-row INSERTs.
 
+A run too short to be worth a COPY of its own goes back to rows (``copy_text_rows``,
+``copy_binary_rows``: the inverse of the two above) for a multi-row INSERT in the batch's pipeline.
+
 ``copy_text`` runs in C when the accelerator is built (``_speedups.copy_text``);
 ``copy_text_pure`` is the reference, and ``APPLIER_PURE_PYTHON=1`` selects it as it does for the
 decoder.
@@ -19,13 +22,15 @@ decoder.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 
 from psycopg import sql
 
 from ..implementation import accelerator
 
-__all__ = ["copy_text", "copy_text_pure", "copy_binary", "copy_binary_data", "copy_sql"]
+__all__ = ["copy_binary", "copy_binary_data", "copy_binary_rows", "copy_sql", "copy_text", "copy_text_pure",
+           "copy_text_rows"]
 
 Row = tuple[bytes | None, ...]
 
@@ -49,6 +54,44 @@ _NULL_FIELD = b"\xff\xff\xff\xff"
 #: field count of -1.
 _BINARY_HEADER = b"PGCOPY\n\xff\r\n\x00" + bytes(8)
 _BINARY_TRAILER = b"\xff\xff"
+
+
+_ESCAPED = re.compile(rb"\\(.)", re.DOTALL)
+_UNESCAPED = {b"\\": b"\\", b"t": b"\t", b"n": b"\n", b"r": b"\r"}
+
+
+def _unescape(match: re.Match[bytes]) -> bytes:
+    return _UNESCAPED[match.group(1)]
+
+
+def copy_text_rows(data: bytes | bytearray) -> list[Row]:
+    """COPY text lines (as ``copy_text`` writes them) back to rows of values."""
+    rows: list[Row] = []
+    for line in bytes(data).split(b"\n")[:-1]:
+        rows.append(tuple(None if field == b"\\N" else _ESCAPED.sub(_unescape, field) if b"\\" in field
+                          else field for field in line.split(b"\t")))
+    return rows
+
+
+def copy_binary_rows(tuples: bytes | bytearray) -> list[Row]:
+    """COPY binary tuples (as ``copy_binary`` writes them, without header or trailer) back to rows."""
+    rows: list[Row] = []
+    view = memoryview(tuples)
+    position, end = 0, len(tuples)
+    while position < end:
+        fields = int.from_bytes(view[position:position + 2], "big")
+        position += 2
+        row: list[bytes | None] = []
+        for _ in range(fields):
+            length = int.from_bytes(view[position:position + 4], "big", signed=True)
+            position += 4
+            if length < 0:
+                row.append(None)
+            else:
+                row.append(bytes(view[position:position + length]))
+                position += length
+        rows.append(tuple(row))
+    return rows
 
 
 def copy_binary(rows: list[Row]) -> bytes:

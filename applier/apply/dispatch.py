@@ -116,6 +116,10 @@ class Applier:
         """Fast-path work is waiting for its commit (the worker flushes when the stream is idle)."""
         return self.fast is not None and self.fast.open
 
+    def wait_left(self) -> float:
+        """Seconds the fast path's batch may still wait for more at a pause (``FastPath.wait_left``)."""
+        return self.fast.wait_left() if self.fast is not None else 0.0
+
     def flush(self, durable: bool = False) -> None:
         """Commit what the fast path holds (see ``FastPath.commit``)."""
         if self.fast is not None:

@@ -2,9 +2,9 @@
 
 Owns the batch (``batch.Batch``) of the open target transaction, the parts of it sent ahead of
 the commit and not yet read back (the pipeline in flight), when the batch commits (a limit of
-``BatchLimits`` reached, or the worker asks because the stream paused), the commit itself (the
-rows, the progress row naming the last source transaction in the batch, COMMIT, in two round
-trips), and the room it gives the lane (``lane.Lane``). Every batched statement must change an
+``BatchLimits`` reached, or the worker asks because the stream paused), the commit itself (BEGIN,
+the rows and the progress row naming the last source transaction in the batch in one round trip,
+COMMIT in a second), and the room it gives the lane (``lane.Lane``). Every batched statement must change an
 exact number of rows; any other outcome, or an error, rolls the batch back and asks for the
 stretch to be redone on the careful path (``Cause.FAST_PATH_MISMATCH``). Must never decide which
 transactions take it (``dispatch.Applier`` does).
@@ -49,12 +49,14 @@ INSERT_PART_ROWS = 10_000
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """When the fast path commits: whichever limit is reached first (and whenever the stream is
-    idle). Rows and bytes also bound memory inside one large source transaction."""
+    """When the fast path commits: whichever limit is reached first, and when the stream pauses
+    with the batch at least ``wait`` seconds old. Rows and bytes also bound memory inside one
+    large source transaction."""
 
     rows: int
     bytes: int
     seconds: float
+    wait: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +136,9 @@ class FastPath:
 
     # -- sending and committing -------------------------------------------------------------------
     def commit(self, durable: bool = False) -> None:
-        """Commit the batch's target transaction: its rows and the progress row naming the last
-        source transaction in it in one pipeline round trip, then (every row count being as
-        expected) COMMIT in a second.
+        """Commit the batch's target transaction: BEGIN (if nothing was sent ahead), its rows and
+        the progress row naming the last source transaction in it in one pipeline round trip,
+        then (every row count being as expected) COMMIT in a second.
 
         ``durable``: commit with synchronous_commit on even when the session runs with it off.
         The worker asks for it when the stream is idle: the source position can then be
@@ -148,7 +150,6 @@ class FastPath:
         tx = self.tx
         last = self.last
         position = None if last is None else Position(last.commit_lsn, last.end_lsn, last.commit_time)
-        asynchronous = tx.track_target_lsn and not durable
         target_lsn: list[LSN] = []
         try:
             self.settle()
@@ -156,14 +157,9 @@ class FastPath:
                 self._emit(pipeline)
                 if position is not None:
                     tx.store.record_position(position, via=pipeline)
-                if tx.track_target_lsn and durable:
-                    pipeline.send("SET LOCAL synchronous_commit = on")
                 # Row counts are checked before COMMIT is even sent: a mismatch must roll back.
                 pipeline.sync()
-                pipeline.send("COMMIT")
-                if asynchronous:
-                    pipeline.send("SELECT pg_catalog.pg_current_wal_insert_lsn()",
-                                  on_value=lambda v: target_lsn.append(LSN.parse((v or b"0/0").decode())))
+                tx.send_commit(pipeline, target_lsn, durable=durable)
                 pipeline.sync()
         except (RowCountMismatch, PipelineError) as exc:
             raise self._failed(exc, last) from exc
@@ -227,6 +223,9 @@ class FastPath:
         connection (or a lock wait that timed out) instead ends the session."""
         tx = self.tx
         retry = isinstance(exc, PipelineError) and decide(exc) is Directive.RETRY
+        # Statements the failed pipeline was to prepare after the failure never were: every shape
+        # is prepared again, under new names.
+        self._prepared.clear()
         try:
             tx.rollback()
         except TargetError as lost:  # the connection is gone: whatever happened is rolled back
@@ -293,6 +292,13 @@ class FastPath:
             pending["transactions"] += transactions
             self.last = last
             self.tx.origin = None
+
+    def wait_left(self) -> float:
+        """Seconds the open batch may still wait, at a pause in the stream, for more source
+        transactions before it commits (0: commit now)."""
+        if not self.open:
+            return 0.0
+        return max(0.0, self.limits.wait - (time.monotonic() - self._started))
 
     def due(self) -> None:
         """After the lane's last commit, no transaction open: commit the batch if its time is up."""

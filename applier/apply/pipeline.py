@@ -9,8 +9,11 @@ the row count it must affect: the fast apply path knows exactly what each statem
 stretch carefully. Must never decide what to send or when to commit: it only moves statements
 and results.
 
-Sending and reading interleave (non-blocking socket, flush, consume input) so a long pipeline
-never deadlocks on full socket buffers in both directions.
+Statements are buffered and written to the socket together: at a sync point, every
+``FLUSH_EVERY`` statements, and whenever libpq's buffer grows past its own threshold (64 kB), so a
+batch of a few statements costs one write, not one per message. Sending and reading interleave
+(non-blocking socket, flush, consume input) so a long pipeline never deadlocks on full socket
+buffers in both directions.
 """
 
 from __future__ import annotations
@@ -19,12 +22,17 @@ import select
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from psycopg import pq
 
 from ..errors import Cause, TargetError, cause_of_sqlstate
 
-__all__ = ["Pipeline", "PipelineError", "RowCountMismatch"]
+__all__ = ["FLUSH_EVERY", "Pipeline", "PipelineError", "Preparable", "RowCountMismatch"]
+
+#: Statements queued before they are written to the socket even without a sync point: the server
+#: starts on a long batch while the rest is still being queued.
+FLUSH_EVERY = 32
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
 _SYNC = pq.ExecStatus.PIPELINE_SYNC
@@ -44,11 +52,22 @@ def _abbreviate(sql: str, limit: int = 160) -> str:
     return sql if len(sql) <= limit else f"{sql[:limit]}... ({len(sql)} characters)"
 
 
+class Preparable(Protocol):
+    """A statement prepared under ``name`` the first time a session runs it."""
+
+    @property
+    def name(self) -> bytes: ...
+
+    @property
+    def sql(self) -> str: ...
+
+
 @dataclass(slots=True)
 class _Queued:
     what: str                # for error messages: the SQL text
     expected_rows: int | None
     on_value: Callable[[bytes | None], None] | None = None  # receives the first value returned
+    prepared: bytes | None = None  # a statement prepared: its name, known to the session once done
 
 
 class Pipeline:
@@ -56,8 +75,15 @@ class Pipeline:
     ``send_sync()`` and leave it in flight: the server works through the batch while the caller
     prepares the next one, and ``finish()`` reads the outcome later (``abandon()`` on failure)."""
 
-    def __init__(self, pgconn: pq.abc.PGconn) -> None:
+    def __init__(self, pgconn: pq.abc.PGconn, prepared: set[bytes] | None = None, *,
+                 begin: bool = False) -> None:
         self.pgconn = pgconn
+        # The session's prepared statements: one this pipeline prepares joins them only once the
+        # server said it is done (a statement after an error in the pipeline is never run).
+        self._session_prepared = prepared if prepared is not None else set()
+        self._preparing: set[bytes] = set()
+        self._begin = begin  # the session's transaction is to begin with this pipeline
+        self._unflushed = 0
         self._queued: deque[_Queued | None] = deque()   # None marks a sync point
         self._copy: _Queued | None = None  # a COPY sent whose result is not read yet
         self._error: PipelineError | None = None
@@ -67,6 +93,9 @@ class Pipeline:
     def open(self) -> Pipeline:
         self.pgconn.enter_pipeline_mode()
         self.pgconn.nonblocking = 1
+        if self._begin:
+            self._begin = False
+            self.send("BEGIN")
         return self
 
     def __enter__(self) -> Pipeline:
@@ -122,23 +151,40 @@ class Pipeline:
     def prepare(self, name: bytes, sql: str) -> None:
         self._end_copy()
         self.pgconn.send_prepare(name, sql.encode())
-        self._queued.append(_Queued(f"preparing {_abbreviate(sql)}", None))
-        self._flush()
+        self._queue(_Queued(f"preparing {_abbreviate(sql)}", None))
 
     def send_prepared(self, name: bytes, sql: str, values: Sequence[bytes | None],
-                      formats: Sequence[int], expected_rows: int | None = None) -> None:
+                      formats: Sequence[int], expected_rows: int | None = None,
+                      on_value: Callable[[bytes | None], None] | None = None) -> None:
         self._end_copy()
         self.pgconn.send_query_prepared(name, values, formats)
-        self._queued.append(_Queued(_abbreviate(sql), expected_rows))
-        self._flush()
+        self._queue(_Queued(_abbreviate(sql), expected_rows, on_value))
+
+    def run(self, statement: Preparable, values: Sequence[bytes | None], formats: Sequence[int] | None = None,
+            *, expected_rows: int | None = None,
+            on_value: Callable[[bytes | None], None] | None = None) -> None:
+        """Queue a statement of the session's (``TargetSession.run``), prepared first in this
+        pipeline if the session has not prepared it yet."""
+        name = statement.name
+        if name not in self._session_prepared and name not in self._preparing:
+            self._end_copy()
+            self.pgconn.send_prepare(name, statement.sql.encode())
+            self._queue(_Queued(f"preparing {_abbreviate(statement.sql)}", None, prepared=name))
+            self._preparing.add(name)
+        self.send_prepared(name, statement.sql, values, formats or [0] * len(values), expected_rows, on_value)
 
     def send(self, sql: str, values: Sequence[bytes | None] | None = None,
              expected_rows: int | None = None,
              on_value: Callable[[bytes | None], None] | None = None) -> None:
         self._end_copy()
         self.pgconn.send_query_params(sql.encode(), values or None)
-        self._queued.append(_Queued(_abbreviate(sql), expected_rows, on_value))
-        self._flush()
+        self._queue(_Queued(_abbreviate(sql), expected_rows, on_value))
+
+    def _queue(self, queued: _Queued) -> None:
+        self._queued.append(queued)
+        self._unflushed += 1
+        if self._unflushed >= FLUSH_EVERY:
+            self._flush()
 
     def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> None:
         """Queue a statement whose outcome only matters if it fails (a bookkeeping write)."""
@@ -223,6 +269,7 @@ class Pipeline:
 
     # -- the socket ---------------------------------------------------------------------------
     def _flush(self) -> None:
+        self._unflushed = 0
         pgconn = self.pgconn
         while pgconn.flush() == 1:
             readable, writable, _ = select.select([pgconn.socket], [pgconn.socket], [], 5.0)
@@ -257,6 +304,8 @@ class Pipeline:
     def _take(self, result: pq.abc.PGresult, queued: _Queued) -> None:
         status = result.status
         if status in _OK:
+            if queued.prepared is not None:
+                self._session_prepared.add(queued.prepared)
             if queued.on_value is not None and result.ntuples:
                 queued.on_value(result.get_value(0, 0))
             if queued.expected_rows is not None and self._mismatch is None:

@@ -2,7 +2,9 @@
 
 Owns the connection and its settings, running statements (prepared once per session, values as
 bytes), turning every failure into a ``TargetError`` keyed by its SQLSTATE, and opening pipelines
-on it. Must never decide what to run, or when a transaction begins or ends.
+on it. A transaction begun is only sent as BEGIN with the first statement after it, in the same
+pipeline when that statement goes in one, so a fast-path batch costs no round trip of its own to
+begin. Must never decide what to run, or when a transaction begins or ends.
 
 Values arrive as bytes and leave as bytes: statements are prepared once and executed with the
 raw parameter values and their formats (text 0 / binary 1), so psycopg's Python-level adaptation
@@ -14,7 +16,6 @@ can hijack a statement.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import psycopg
 from psycopg import pq
@@ -22,21 +23,11 @@ from psycopg import pq
 from ..connections import connect
 from ..errors import Cause, TargetError, cause_of, cause_of_sqlstate
 from ..protocol.lsn import LSN
-from .pipeline import Pipeline
+from .pipeline import Pipeline, Preparable
 
 __all__ = ["Preparable", "TargetSession"]
 
 _OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
-
-
-class Preparable(Protocol):
-    """A statement the session prepares under ``name`` the first time it runs it."""
-
-    @property
-    def name(self) -> bytes: ...
-
-    @property
-    def sql(self) -> str: ...
 
 
 def _lost(what: str, message: str) -> TargetError:
@@ -57,6 +48,8 @@ class TargetSession:
         #: Set while statements sent in a pipeline have results not read yet: called before any
         #: other statement, which could not be sent before those results are read.
         self.pending: Callable[[], None] | None = None
+        # A transaction begun (``begin``) whose BEGIN is not sent yet: it goes with the next statement.
+        self._begin_owed = False
         try:
             self.sql("SET session_replication_role = replica")
         except TargetError as exc:
@@ -88,10 +81,29 @@ class TargetSession:
         cause = cause_of_sqlstate(sqlstate, side="target") if sqlstate else Cause.REFUSED_DATA
         raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, cause=cause)
 
-    def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
-        """Run one statement with text parameters (bookkeeping, transaction control)."""
+    def begin(self) -> None:
+        """Open a transaction: BEGIN goes with the next statement (or pipeline)."""
+        assert not self.in_transaction, "BEGIN inside a transaction"
+        self._begin_owed = True
+
+    def rollback(self) -> None:
+        """Roll back the open transaction, if any (one begun and not sent yet is just forgotten)."""
+        if self._begin_owed:
+            self._begin_owed = False
+        elif self.in_transaction:
+            self.sql("ROLLBACK")
+
+    def _ready(self) -> None:
+        """Before a statement of its own: read what a pipeline left in flight, send an owed BEGIN."""
         if self.pending is not None:
             self.pending()
+        if self._begin_owed:
+            self._begin_owed = False
+            self._check(self.pgconn.exec_(b"BEGIN"), "BEGIN")
+
+    def sql(self, sql: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult:
+        """Run one statement with text parameters (bookkeeping, transaction control)."""
+        self._ready()
         try:
             result = self.pgconn.exec_params(sql.encode(), values or [], result_format=0)
         except psycopg.Error as exc:  # libpq refused to send: the connection is not usable
@@ -101,8 +113,7 @@ class TargetSession:
     def execute(self, sql: str, values: Sequence[bytes | None] = (),
                 formats: Sequence[int] | None = None, binary_result: bool = False) -> pq.abc.PGresult:
         """Run one unnamed statement with per-parameter formats (bookkeeping with bytea values)."""
-        if self.pending is not None:
-            self.pending()
+        self._ready()
         try:
             result = self.pgconn.exec_params(sql.encode(), list(values), None, formats,
                                              1 if binary_result else 0)
@@ -113,8 +124,7 @@ class TargetSession:
     def run(self, statement: Preparable, values: Sequence[bytes | None],
             formats: Sequence[int]) -> pq.abc.PGresult:
         """Execute a cached statement, preparing it on first use in this session."""
-        if self.pending is not None:
-            self.pending()
+        self._ready()
         try:
             if statement.name not in self._prepared:
                 self._check(self.pgconn.prepare(statement.name, statement.sql.encode()),
@@ -140,8 +150,12 @@ class TargetSession:
         return self._lsn("pg_current_wal_insert_lsn")
 
     def pipeline(self) -> Pipeline:
-        """A pipeline on this connection (not yet entered)."""
-        return Pipeline(self.pgconn)
+        """A pipeline on this connection (not yet entered); it sends an owed BEGIN first, and
+        prepares the statements it ``run``s that this session has not prepared yet."""
+        if self.pending is not None:
+            self.pending()
+        begin, self._begin_owed = self._begin_owed, False
+        return Pipeline(self.pgconn, self._prepared, begin=begin)
 
     @property
     def closed(self) -> bool:
@@ -149,4 +163,4 @@ class TargetSession:
 
     @property
     def in_transaction(self) -> bool:
-        return self.pgconn.transaction_status != pq.TransactionStatus.IDLE
+        return self._begin_owed or self.pgconn.transaction_status != pq.TransactionStatus.IDLE

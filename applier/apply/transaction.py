@@ -23,17 +23,25 @@ from ..assembler import TransactionStart
 from ..errors import ApplyError, Cause, TargetError
 from ..faults import FailPoint
 from ..progress.records import AppliedPosition, Position
-from ..progress.store import ApplyStore
+from ..progress.store import ApplyStore, StoreStatement
 from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_BINARY, Origin, TupleData
 from .mapping import RelationMapping
+from .pipeline import Pipeline
 from .statements import NEW, Statement
 from .target import Preparable, TargetSession
 
 if TYPE_CHECKING:
     from .feed import FeedWriter
 
-__all__ = ["OnCommit", "TargetTransaction"]
+__all__ = ["DURABLE_COMMIT", "OnCommit", "TargetTransaction", "WAL_INSERT_LSN"]
+
+#: In a session running with synchronous_commit = off: this transaction's COMMIT waits for its
+#: WAL flush (``SET LOCAL``, prepared once rather than parsed at every durable commit).
+DURABLE_COMMIT = StoreStatement(b"applier_durable_commit",
+                                "SELECT pg_catalog.set_config('synchronous_commit', 'on', true)")
+#: Where the target's WAL ends: a commit just made is durable once the WAL is flushed up to here.
+WAL_INSERT_LSN = StoreStatement(b"applier_wal_insert_lsn", "SELECT pg_catalog.pg_current_wal_insert_lsn()")
 
 #: Called after a target commit: the source end LSN it covers, and (with synchronous_commit off)
 #: the target WAL position that must be flushed before the slot may be told.
@@ -123,13 +131,13 @@ class TargetTransaction:
         return self.session.in_transaction
 
     def begin(self) -> None:
-        self.session.sql("BEGIN")
+        """Open the target transaction (BEGIN goes with its first statement)."""
+        self.session.begin()
 
     def rollback(self) -> None:
         """Roll back whatever is open (nothing of it was counted as applied)."""
         self.pending.clear()
-        if self.session.in_transaction:
-            self.session.sql("ROLLBACK")
+        self.session.rollback()
         self.ended(False)
 
     def ended(self, committed: bool) -> None:
@@ -146,11 +154,24 @@ class TargetTransaction:
         self.ended(True)
 
     def commit(self, position: Position, fault: FailPoint = FailPoint.BEFORE_FEEDBACK) -> None:
-        """Record ``position`` in the open transaction, commit it, tell the worker."""
-        self.store.record_position(position)
-        self.session.sql("COMMIT")
-        target_lsn = self.session.current_wal_insert_lsn() if self.track_target_lsn else None
-        self.committed(position, target_lsn, fault)
+        """Record ``position`` in the open transaction, commit it, tell the worker: one round trip."""
+        target_lsn: list[LSN] = []
+        with self.session.pipeline() as pipeline:  # a failure is a TargetError (PipelineError)
+            self.store.record_position(position, via=pipeline)
+            self.send_commit(pipeline, target_lsn)
+            pipeline.sync()
+        self.committed(position, target_lsn[0] if target_lsn else None, fault)
+
+    def send_commit(self, pipeline: Pipeline, target_lsn: list[LSN], *, durable: bool = False) -> None:
+        """Queue COMMIT (``durable``: waiting for its WAL flush even with synchronous_commit off)
+        and, with synchronous_commit off and not ``durable``, the query whose answer, appended to
+        ``target_lsn``, is the WAL position to be flushed before the slot may hear of it."""
+        asynchronous = self.track_target_lsn and not durable
+        if self.track_target_lsn and durable:
+            pipeline.run(DURABLE_COMMIT, [])
+        pipeline.send("COMMIT")
+        if asynchronous:
+            pipeline.run(WAL_INSERT_LSN, [], on_value=lambda v: target_lsn.append(LSN.parse((v or b"0/0").decode())))
 
     def committed(self, position: Position | None, target_lsn: LSN | None,
                   fault: FailPoint = FailPoint.BEFORE_FEEDBACK) -> None:
@@ -172,8 +193,8 @@ class TargetTransaction:
         transaction committed with synchronous_commit on, so COMMIT returns once the WAL up to
         its commit record, and so everything before it, is on disk. (A transaction that writes
         no WAL commits without a flush.) False, and nothing flushed, without that row."""
-        self.session.sql("BEGIN")
-        self.session.sql("SET LOCAL synchronous_commit = on")
+        self.session.begin()
+        self.session.run(DURABLE_COMMIT, [], [])
         written = self.store.touch_position()
         self.session.sql("COMMIT")
         return written

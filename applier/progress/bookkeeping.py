@@ -24,6 +24,8 @@ from .store import TableState
 __all__ = ["SqlBookkeeping"]
 
 #: Columns naming the kind of an event row in optional bookkeeping tables, most specific first.
+#: The bookkeeping tables whose rows say that a worker or a sync has run for a slot.
+RECORDS_OF_A_SLOT = ("progress", "table_sync", "publication_tables", "conflicts")
 _KIND_COLUMNS = ("conflict_type", "skip_reason", "kind", "type", "reason")
 
 
@@ -69,8 +71,10 @@ class SqlBookkeeping:
         return found[0] if found else None
 
     def slot_recorded(self, slot: str) -> bool:
-        """A worker or a sync has run for ``slot`` (a schema not created yet names nothing)."""
-        tables = [name for name in ("progress", "table_sync") if name in self.tables()]
+        """A worker or a sync has run for ``slot`` (a schema not created yet names nothing). A
+        worker records its published tables as it starts, before it applies anything: a worker
+        that stopped on its very first transaction has run too."""
+        tables = [name for name in RECORDS_OF_A_SLOT if name in self.tables()]
         if not tables:
             return False
         query = sql.SQL("SELECT EXISTS ({})").format(sql.SQL(" UNION ALL ").join(

@@ -35,17 +35,20 @@ __all__ = ["PostgresApplyStore", "encode_lsn"]
 _PROGRESS_UPSERT = (
     "ON CONFLICT (slot_name) DO UPDATE SET commit_lsn = EXCLUDED.commit_lsn, "
     "end_lsn = EXCLUDED.end_lsn, commit_time = EXCLUDED.commit_time, applied_at = EXCLUDED.applied_at")
-_PROGRESS = (
+_PROGRESS = StoreStatement(
+    b"applier_progress",
     "INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, applied_at) "
     "VALUES ($1, $2::pg_catalog.pg_lsn, $3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz, "
     "pg_catalog.clock_timestamp()) " + _PROGRESS_UPSERT)
 #: The same upsert, plus pg_replication_origin_xact_setup(end LSN, commit time) in the same round
 #: trip, when the session is tagged with a replication origin (``apply.origins``).
-_PROGRESS_WITH_ORIGIN = (
+_PROGRESS_WITH_ORIGIN = StoreStatement(
+    b"applier_progress_origin",
     "INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, applied_at) "
     "SELECT $1, $2::pg_catalog.pg_lsn, $3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz, "
     "pg_catalog.clock_timestamp() FROM pg_catalog.pg_replication_origin_xact_setup("
     "$3::pg_catalog.pg_lsn, $4::pg_catalog.timestamptz) " + _PROGRESS_UPSERT)
+_TEXT_4 = (0, 0, 0, 0)
 _POSITION = "SELECT commit_lsn::text, end_lsn::text FROM applier.progress WHERE slot_name = $1"
 _TOUCH = "UPDATE applier.progress SET applied_at = applied_at WHERE slot_name = $1"
 
@@ -144,9 +147,9 @@ class PostgresApplyStore:
 
     def record_position(self, position: Position, via: Writer | None = None) -> None:
         commit_time = position.commit_time
-        (via or self.session).sql(self._progress, [
+        (via or self.session).run(self._progress, [
             self._slot, encode_lsn(position.commit_lsn), encode_lsn(position.end_lsn),
-            commit_time.isoformat().encode() if commit_time else None])
+            commit_time.isoformat().encode() if commit_time else None], _TEXT_4)
 
     def touch_position(self) -> bool:
         return self.session.sql(_TOUCH, [self._slot]).command_tuples == 1

@@ -75,9 +75,13 @@ class Result(Protocol):
 
 
 class Writer(Protocol):
-    """Where a write can go: the target session, or a fast-path batch's pipeline."""
+    """Where a write can go: the target session, or a pipeline on it (a fast-path batch's, a
+    commit's), where the statement is prepared first if the session has not prepared it yet."""
 
     def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> Any: ...
+
+    def run(self, statement: StoreStatement, values: Sequence[bytes | None],
+            formats: Sequence[int]) -> Any: ...
 
 
 class Session(Writer, Protocol):

@@ -196,8 +196,8 @@ class Worker:
                                      self.spill_dir)
         try:
             session.run()
-        except StopRequested:
-            raise
+        except (StopRequested, ConfigError):
+            raise  # a ConfigError is the command line's to report, with its usage (exit 2)
         except Exception as exc:
             if decide(exc) is Directive.STOP and cause_of(exc) is not None:
                 raise WorkerFailed(session.describe(exc)) from exc

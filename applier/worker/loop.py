@@ -30,6 +30,10 @@ __all__ = ["CaughtUp", "ProgressLog", "StopRequested", "StreamLoop"]
 
 log = logging.getLogger(__name__)
 
+#: How long one read waits for the rest of a source transaction received in part (and so a batch
+#: that cannot commit yet) before the loop looks at its timers again.
+MID_TRANSACTION_WAIT = 0.05
+
 
 class StopRequested(Exception):
     """SIGTERM or SIGINT: the session ends between messages."""
@@ -76,29 +80,34 @@ class StreamLoop:
         stream, assembler, applier, unflushed = self.stream, self.assembler, self.applier, self.unflushed
         last_flush_check = 0.0
         while not self.stop_requested():
-            # While the fast path holds uncommitted work, only take what has already arrived;
-            # the moment the stream pauses, commit it; likewise make commits still waiting for
-            # the target's WAL flush durable at once when nothing is open. Waiting for the WAL
-            # flush otherwise (a streamed transaction open) or (to exit when caught up) for a
-            # keepalive past the goal, look again soon: a keepalive asked for may still show the
-            # position before the goal. Past the goal already (a start with nothing to do), wait
-            # for nothing before checking the slot.
+            # With the fast path's batch open between source transactions, take only what has
+            # arrived, or what arrives while the batch may still wait for more (--batch-wait);
+            # the moment the stream pauses after that, commit it. Inside a source transaction,
+            # wait for the rest of it: nothing can commit before it ends. Likewise make commits
+            # still waiting for the target's WAL flush durable at once when nothing is open.
+            # Waiting for the WAL flush otherwise (a streamed transaction open) or (to exit when
+            # caught up) for a keepalive past the goal, look again soon: a keepalive asked for may
+            # still show the position before the goal. Past the goal already (a start with
+            # nothing to do), wait for nothing before checking the slot.
             caught_up = self.caught_up
             past_goal = caught_up is not None and stream.flush_lsn >= caught_up.goal
             waiting = bool(unflushed) or (caught_up is not None and not past_goal)
             latest = unflushed.latest
             flush_at_pause = (latest is not None and assembler.idle
                               and latest.source_end != self._rewrite_failed_for)
-            pause_settles = applier.holds_uncommitted or flush_at_pause
-            batch = stream.read_batch(timeout=0 if pause_settles or past_goal
-                                      else 0.05 if waiting else 0.5)
+            if applier.holds_uncommitted:
+                timeout = applier.wait_left() if assembler.between_transactions else MID_TRANSACTION_WAIT
+            else:
+                timeout = 0 if flush_at_pause or past_goal else 0.05 if waiting else 0.5
+            batch = stream.read_batch(timeout=timeout)
             self.gate.feed(batch)
             self.progress.maybe_log(stream)
             # A streamed transaction may stay open on the source for as long as it likes: what
             # committed meanwhile is committed here the moment the stream pauses all the same.
-            if not batch and applier.holds_uncommitted and assembler.between_transactions:
+            if (not batch and applier.holds_uncommitted and assembler.between_transactions
+                    and applier.wait_left() == 0):
                 applier.flush(durable=True)
-            elif not batch and flush_at_pause:
+            elif not batch and flush_at_pause and not applier.holds_uncommitted:
                 # The stream paused after commits made with synchronous_commit off (a batch full
                 # before the pause): make them durable and confirm them now, instead of polling
                 # until the target's WAL writer has flushed them (up to three wal_writer_delay).

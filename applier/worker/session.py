@@ -227,7 +227,7 @@ class ReplicationSession:
         settings, state = self.settings, self.state
         limits = BatchLimits(settings.batch_rows,
                              min(settings.batch_bytes, settings.memory_budget // 2),
-                             settings.batch_time / 1000)
+                             settings.batch_time / 1000, settings.batch_wait / 1000)
         apply_options = ApplyOptions(
             slot=self.slot, limits=limits, track_target_lsn=settings.synchronous_commit == "off",
             # auto: binary values until a relation is found not binary-safe (checked per relation).

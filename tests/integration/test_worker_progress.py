@@ -8,6 +8,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from alembic import command
+from alembic.config import Config
 from replication import (
     REPO,
     create_slot,
@@ -23,7 +25,7 @@ from applier.apply.transaction import TargetTransaction
 from applier.progress.lock import WorkerLock
 from applier.progress.postgres import PostgresApplyStore
 from applier.progress.records import AppliedPosition
-from applier.progress.schema import SCHEMA_HEAD, make_engine, upgrade_schema
+from applier.progress.schema import MIGRATIONS_DIR, SCHEMA_HEAD, make_engine, upgrade_schema
 from applier.protocol.lsn import LSN
 
 pytestmark = pytest.mark.server
@@ -55,12 +57,17 @@ def test_a_current_schema_is_left_as_it_is_and_an_older_one_upgraded(target_db) 
     target_db.execute("CREATE TABLE applier.marker (id int)")
     upgrade_schema(engine)
     assert target_db.query("SELECT to_regclass('applier.marker') IS NOT NULL") == [(True,)]
-    # One revision behind: the newest migration runs again.
-    target_db.execute("DROP TABLE applier.copy_transactions")
-    target_db.execute("UPDATE applier.alembic_version SET version_num = '0003'")
+    # One revision behind (the newest migration undone by its own downgrade): it runs again.
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    behind = target_db.query("SELECT version_num FROM applier.alembic_version")
+    assert behind != [(SCHEMA_HEAD,)]
     upgrade_schema(engine)
     assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
-    assert target_db.query("SELECT to_regclass('applier.copy_transactions') IS NOT NULL") == [(True,)]
+    assert target_db.query("SELECT to_regclass('applier.marker') IS NOT NULL") == [(True,)]
 
 
 def test_writes_to_unpublished_tables_do_not_hold_the_slot_back(source_db, target_db, tmp_path: Path) -> None:

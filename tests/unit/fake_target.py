@@ -58,15 +58,33 @@ class FakeTarget:
         #: Raise this at the next statement that matches (SQL text contains the key).
         self.fail_on: dict[str, TargetError] = {}
         self.wal = LSN(0x1000)
+        self._begin_owed = False
 
     # -- what TargetSession offers ---------------------------------------------------------------
     @property
     def in_transaction(self) -> bool:
-        return self._open is not None
+        return self._begin_owed or self._open is not None
+
+    def begin(self) -> None:
+        assert not self.in_transaction, "BEGIN inside a transaction"
+        self._begin_owed = True
+
+    def rollback(self) -> None:
+        if self._begin_owed:
+            self._begin_owed = False
+        elif self._open is not None:
+            self.sql("ROLLBACK")
+
+    def send_owed_begin(self) -> None:
+        """BEGIN goes with the first statement after ``begin``, as in TargetSession."""
+        if self._begin_owed:
+            self._begin_owed = False
+            self._run("BEGIN", [])
 
     def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> FakeResult:
         if self.pending is not None:
             self.pending()
+        self.send_owed_begin()
         return self._run(text, values or [])
 
     def execute(self, text: str, values: Sequence[bytes | None] = (),
@@ -83,7 +101,10 @@ class FakeTarget:
         return self.wal
 
     def pipeline(self) -> FakePipeline:
-        return FakePipeline(self)
+        if self.pending is not None:
+            self.pending()
+        begin, self._begin_owed = self._begin_owed, False
+        return FakePipeline(self, begin)
 
     def close(self) -> None:
         self.closed = True
@@ -146,17 +167,21 @@ class FakePipeline:
     """``apply.pipeline.Pipeline`` over a ``FakeTarget``: statements run at once, results and row
     count mismatches are reported at the next sync, as the real one does."""
 
-    def __init__(self, target: FakeTarget) -> None:
+    def __init__(self, target: FakeTarget, begin: bool = False) -> None:
         self.target = target
+        self._begin = begin
         self._mismatch: str | None = None
         self._error: TargetError | None = None
         self.round_trips = 0
 
     def open(self) -> FakePipeline:
+        if self._begin:
+            self._begin = False
+            self._send("BEGIN", [], None)
         return self
 
     def __enter__(self) -> FakePipeline:
-        return self
+        return self.open()
 
     def __exit__(self, *exc: object) -> None:
         pass
@@ -188,6 +213,11 @@ class FakePipeline:
              expected_rows: int | None = None,
              on_value: Callable[[bytes | None], None] | None = None) -> None:
         self._send(sql, values or [], expected_rows, on_value)
+
+    def run(self, statement: Any, values: Sequence[bytes | None], formats: Sequence[int] | None = None,
+            *, expected_rows: int | None = None,
+            on_value: Callable[[bytes | None], None] | None = None) -> None:
+        self._send(statement.sql, values, expected_rows, on_value)
 
     def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> None:
         self.send(text, values)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from applier.apply.batch import Batch
 from applier.apply.batch_sql import COPY_MIN_ROWS
-from applier.apply.copy import copy_binary, copy_binary_data
+from applier.apply.copy import copy_binary, copy_binary_data, copy_text_pure
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 
@@ -155,6 +155,15 @@ class _Run:
     def __init__(self, columns: int, binary: bool = False) -> None:
         self.data, self.columns, self.rows, self.binary = bytearray(), columns, 0, binary
 
+    def take(self, rows: list[tuple[bytes | None, ...]]) -> None:
+        """Rows as the lane writes them."""
+        self.data += copy_binary(rows) if self.binary else copy_text_pure(rows)
+        self.rows += len(rows)
+
+
+def _lane_rows(count: int, start: int = 100) -> list[tuple[bytes | None, ...]]:
+    return [(str(n).encode(), b"lane", b"x") for n in range(start, start + count)]
+
 
 def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
     batch = Batch()
@@ -162,15 +171,38 @@ def test_an_open_run_takes_its_tables_inserts_as_copy_text_in_place() -> None:
     batch.update(items, _row(b"9", b"before", b"x"), None)
     run = _Run(3)
     batch.open_run(items, run, kind="I")
-    run.data += b"1\ta\tx\n"  # as the lane writes it
-    run.rows += 1
+    run.take(_lane_rows(COPY_MIN_ROWS - 1))
     batch.insert(other, _row(b"5", b"o", b"y"))
     batch.insert(items, _row(b"2", b"b\tc", None))  # the ordinary path joins the open run
     statements = list(batch.statements())
     assert [s.sql.split()[0] for s in statements] == ["UPDATE", "COPY", "INSERT"]
     copy = statements[1]
     assert copy.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN'
-    assert bytes(copy.copy_data) == b"1\ta\tx\n2\tb\\tc\t\\N\n" and copy.expected_rows == 2
+    assert bytes(copy.copy_data) == copy_text_pure(_lane_rows(COPY_MIN_ROWS - 1)) + b"2\tb\\tc\t\\N\n"
+    assert copy.expected_rows == COPY_MIN_ROWS
+
+
+def test_a_short_run_goes_as_the_ordinary_paths_multi_row_insert_in_the_pipeline() -> None:
+    """A COPY costs round trips of its own: a run of a few rows is read back into values, which
+    keep their format, for the INSERT the ordinary path prepares for the same rows."""
+    for binary in (False, True):
+        rows = [(b"1", b"tab\there", None), (b"2", b"back\\slash\nline\r", b"")]
+        if binary:
+            rows = [(b"\x00\x00\x00\x01", b"a", None), (b"\x00\x00\x00\x02", b"", b"\t\n")]
+        batch = Batch()
+        items = _mapping(relation_id=1, independent=True)
+        run = _Run(3, binary)
+        batch.open_run(items, run, kind="I")
+        run.take(rows)
+        inserts = list(batch.statements())
+        assert all(s.copy_data is None and s.sql.startswith("INSERT") for s in inserts)
+        assert sum(s.expected_rows or 0 for s in inserts) == 2
+        assert [v for s in inserts for v in s.values] == [value for row in rows for value in row]
+        assert [f for s in inserts for f in s.formats] == [int(binary)] * 6
+        ordinary = Batch()
+        for row in rows:
+            ordinary.insert(items, TupleData((b"b" if binary else b"t") * 3, row))
+        assert [(s.sql, s.cache_key) for s in inserts] == [(s.sql, s.cache_key) for s in ordinary.statements()]
 
 
 def test_a_binary_run_is_sent_as_copy_binary_with_header_and_trailer() -> None:
@@ -178,15 +210,15 @@ def test_a_binary_run_is_sent_as_copy_binary_with_header_and_trailer() -> None:
     items = _mapping(relation_id=1, independent=True)
     run = _Run(3, binary=True)
     batch.open_run(items, run, kind="I")
-    run.data += copy_binary([(b"\x00\x00\x00\x01", b"a", None)])  # as the lane writes it
-    run.rows += 1
+    lane = [(n.to_bytes(4, "big"), b"a", None) for n in range(COPY_MIN_ROWS - 1)]
+    run.take(lane)
     batch.insert(items, TupleData(b"bbb", (b"\x00\x00\x00\x02", b"b", b"c")))  # joins the run
     batch.insert(items, _row(b"3", b"c", b"d"))  # text: closes the binary run
     copy, insert = batch.statements()
     assert copy.sql == 'COPY "public"."t1" ("id", "v", "big") FROM STDIN (FORMAT binary)'
     assert bytes(copy.copy_data) == copy_binary_data(copy_binary(
-        [(b"\x00\x00\x00\x01", b"a", None), (b"\x00\x00\x00\x02", b"b", b"c")]))
-    assert copy.expected_rows == 2 and insert.sql.startswith("INSERT")
+        [*lane, (b"\x00\x00\x00\x02", b"b", b"c")]))
+    assert copy.expected_rows == COPY_MIN_ROWS and insert.sql.startswith("INSERT")
 
 
 def test_a_long_run_of_binary_inserts_goes_as_copy_binary_and_mixed_formats_as_inserts() -> None:
@@ -210,8 +242,9 @@ def test_another_change_of_the_table_closes_its_run_and_a_barrier_closes_every_r
     triggered = _mapping(relation_id=3)
     batch.open_run(items, _Run(3), kind="I")
     batch.open_run(other, _Run(3), kind="I")
-    batch.insert(items, _row(b"1", b"a", b"x"))
-    batch.delete(items, _row(b"1", None, None))  # must follow that insert: the run closes
+    for n in range(COPY_MIN_ROWS):
+        batch.insert(items, _row(str(n).encode(), b"a", b"x"))
+    batch.delete(items, _row(b"1", None, None))  # must follow those inserts: the run closes
     assert set(batch.runs) == {2}
     batch.insert(items, _row(b"1", b"b", b"x"))  # after the delete, as an ordinary insert
     batch.insert(triggered, _row(b"7", b"t", b"z"))
@@ -229,7 +262,6 @@ def test_a_table_starting_with_a_copy_goes_before_the_other_gathered_tables() ->
     batch.update(accounts, _row(b"1", b"a", b"x"), None)
     run = _Run(3)
     batch.open_run(history, run, kind="I")
-    run.data += b"7\th\tx\n"
-    run.rows += 1
+    run.take(_lane_rows(COPY_MIN_ROWS))
     batch.update(accounts, _row(b"2", b"b", b"x"), None)
     assert [s.sql.split()[0] for s in batch.statements()] == ["COPY", "UPDATE", "UPDATE"]

@@ -82,7 +82,12 @@ class TargetSession:
         raise TargetError(f"target: {what} failed: {message}", sqlstate=sqlstate, cause=cause)
 
     def begin(self) -> None:
-        """Open a transaction: BEGIN goes with the next statement (or pipeline)."""
+        """Open a transaction: BEGIN goes with the next statement (or pipeline). The ``pending``
+        hook runs first, as before any statement: beginning is where another session that held
+        the right to write (``streaming``) gives it back, before this one records anything that
+        must commit before that session's transaction."""
+        if self.pending is not None:
+            self.pending()
         assert not self.in_transaction, "BEGIN inside a transaction"
         self._begin_owed = True
 

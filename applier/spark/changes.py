@@ -34,7 +34,7 @@ from ..progress.feed_registry import FeedRegistry, RetainedHistory
 from ..protocol.lsn import LSN
 from ..quoting import qualified
 from .columns import TableInfo, describe_table, probe_columns, select_expression
-from .reader import DEFAULT_FETCHSIZE, _with_position, jdbc_options, spark_column
+from .reader import DEFAULT_FETCHSIZE, jdbc_options, spark_column, with_position
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -157,7 +157,7 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
         frame = frame.union(more)
     if net:
         frame = _net(frame, span.table.key)
-    return _with_position(frame, snapshot.position, False, [])
+    return with_position(frame, snapshot.position, False, [])
 
 
 def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[str]:

@@ -341,9 +341,6 @@ OPTIONS: tuple[Option, ...] = (
            commands=("pipeline",)),
     Option("output", "Directory of the Parquet result and its state file. Required.", kind="path",
            commands=("pipeline",)),
-    Option("lsn_column", "pg_lsn column the source stamps on every write; when the table has it, "
-           "runs after the first process only what changed.", default="_source_lsn",
-           metavar="COLUMN", commands=("pipeline",)),
     Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
            default=False, commands=("pipeline",)),
     # -- demo (applier/demo.py) ---------------------------------------------------------------------
@@ -431,7 +428,6 @@ class Settings:
     group_by: str
     measure: str
     output: Path | None
-    lsn_column: str
     full: bool
     # -- demo
     pg_version: int

@@ -26,11 +26,14 @@ table here has the same built-in types on both sides), the native subscription f
 (``binary = false``) unless ``--native-binary``. Both reach the source over TCP on 127.0.0.1, or
 both through a Unix-domain socket with ``--unix-socket`` (README, "A source on the same host").
 
+``--change-feed`` adds a drain of ours with ``--change-feed all``, printed as ``+feed`` with its
+time over our plain drain's: what recording every change in the change feed costs.
+
 The modules: ``apply_workloads.py`` (settings, workloads, helpers), ``apply_measure.py`` (CPU and
 load from /proc), ``apply_drain.py`` (the drains and their tables), ``apply_sustained.py``.
 
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
-                                    [--native-binary] [--unix-socket]
+                                    [--native-binary] [--unix-socket] [--change-feed]
     .venv/bin/python bench/apply.py --sustained [--rates 2000,5000,10000] [--duration 60] [--clients 4]
 """
 
@@ -128,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "in its environment, shown as applier[LABEL]; for trying a change to "
                              "the worker that a variable switches on, in the same run as the code "
                              "without it (repeatable)")
+    parser.add_argument("--change-feed", action="store_true",
+                        help="one more contender, printed as '+feed': our worker with --change-feed "
+                             "all (every table's changes also recorded in its change table), with its "
+                             "time over our plain drain's")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="one more contender, printed as 'baseline': the applier of the checkout "
                              "in DIR (another commit, its C accelerators built in place with "
@@ -166,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.repeat):
                 runs.append(run_workload(workload, source_server, target_server, index, args.pg_version,
                                          args.native_binary, args.unix_socket, args.worker_hooks,
-                                         args.baseline))
+                                         args.baseline, args.change_feed))
                 index += 1
             rows.append((workload, medians(runs)))
     finally:

@@ -87,6 +87,7 @@ class Run:
     floor: Result | None = None
     each: list[Run] = field(default_factory=list)  # for a median: the runs it is the median of
     baseline: Result | None = None  # our worker from another checkout (--baseline), same backlog
+    feed: Result | None = None  # our worker with --change-feed all (--change-feed), same backlog
 
 
 class DrainWatch:
@@ -199,13 +200,14 @@ def bookkeeping(dsn: str, tree: Path = ROOT) -> None:
 
 
 def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, work_mem: str,
-               end_lsn: str, detailed: bool, hooks: Path | None = None, tree: Path = ROOT) -> Result:
-    """``applier run --exit-when-caught-up`` on ``slot``, from process start to exit (the applier
-    of the checkout in ``tree``: this one by default)."""
+               end_lsn: str, detailed: bool, hooks: Path | None = None, tree: Path = ROOT,
+               extra: Sequence[str] = ()) -> Result:
+    """``applier run --exit-when-caught-up`` on ``slot`` (with ``extra`` options), from process
+    start to exit (the applier of the checkout in ``tree``: this one by default)."""
     start, env = worker_command(hooks)
     command = [*start, "run", "--source", _with_work_mem(source_dsn, work_mem),
                "--target", target.dsn, "--slot", slot, "--publication", "bench",
-               "--exit-when-caught-up", "--log-level", "WARNING"]
+               "--exit-when-caught-up", "--log-level", "WARNING", *extra]
     bookkeeping(target.dsn, tree)
     watch = DrainWatch(source, target, slot, end_lsn) if detailed else None
     cpu = _cpu_now(source, target)
@@ -342,21 +344,26 @@ def copy_ceiling(source: Database, target: Database, tables: Sequence[str]) -> t
 
 def run_workload(workload: Workload, source_server: PostgresServer, target_server: PostgresServer,
                  index: int, pg_version: int, native_binary: bool, unix_socket: bool,
-                 hooks_dir: Path | None = None, baseline: Path | None = None) -> Run:
+                 hooks_dir: Path | None = None, baseline: Path | None = None,
+                 change_feed: bool = False) -> Run:
     """One run of ``workload``: fresh databases, the backlog, every drain, the checks; with
     ``hooks_dir``, our worker's counters (bench/probe_hooks.py) in a file there per run; with
-    ``baseline``, one more drain by the applier of the checkout there."""
+    ``baseline``, one more drain by the applier of the checkout there; with ``change_feed``, one
+    more drain of ours with ``--change-feed all``."""
     source = source_server.create_database(f"bench_src_{index}")
     source_dsn = stream_dsn(source, unix_socket)
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
     based = target_server.create_database(f"bench_base_{index}") if baseline is not None else None
-    for db in (source, ours, native, *([based] if based is not None else [])):
+    fed = target_server.create_database(f"bench_feed_{index}") if change_feed else None
+    extra_targets = [db for db in (based, fed) if db is not None]
+    for db in (source, ours, native, *extra_targets):
         prepare(workload, db)
     detailed = workload.marker
     source.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(published_tables(workload))}")
     for slot in (("bench_ours", "bench_native", "bench_source") + (("bench_recv",) if detailed else ())
-                 + (("bench_base",) if baseline is not None else ())):
+                 + (("bench_base",) if baseline is not None else ())
+                 + (("bench_feed",) if fed is not None else ())):
         source.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     print("  writing the backlog on the source ...", flush=True)
     workload.write(source)
@@ -378,6 +385,12 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
         before = drain_ours(source, source_dsn, based, "bench_base", workload.decoding_work_mem, end_lsn,
                             detailed, tree=baseline)
         checkpoint(target_server)
+    feed = None
+    if fed is not None:
+        print("  draining with applier --change-feed all ...", flush=True)
+        feed = drain_ours(source, source_dsn, fed, "bench_feed", workload.decoding_work_mem, end_lsn,
+                          detailed, extra=("--change-feed", "all"))
+        checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
     theirs = drain_native(source, source_dsn, native, "bench_native", workload.decoding_work_mem,
                           end_lsn, native_binary, detailed)
@@ -393,11 +406,13 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     theirs.equal = same(source, native, tables)
     if before is not None and based is not None:
         before.equal = same(source, based, tables)
+    if feed is not None and fed is not None:
+        feed.equal = same(source, fed, tables)
     ceiling = copy_ceiling(source, ours, workload.tables)
-    for db in (source, ours, native, *([based] if based is not None else [])):
+    for db in (source, ours, native, *extra_targets):
         db.cluster.drop_database(db.name)
     drop_applier_origins(target_server)
-    return Run(mine, theirs, alone, ceiling, floor, baseline=before)
+    return Run(mine, theirs, alone, ceiling, floor, baseline=before, feed=feed)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -416,11 +431,13 @@ def medians(runs: list[Run]) -> Run:
     """Each figure's median over the runs (``_median_result``)."""
     floors = [r.floor for r in runs if r.floor is not None]
     baselines = [r.baseline for r in runs if r.baseline is not None]
+    feeds = [r.feed for r in runs if r.feed is not None]
     return Run(_median_result([r.mine for r in runs]), _median_result([r.theirs for r in runs]),
                statistics.median(r.alone for r in runs),
                (statistics.median(r.ceiling[0] for r in runs), runs[0].ceiling[1]),
                _median_result(floors) if floors else None, runs,
-               _median_result(baselines) if baselines else None)
+               _median_result(baselines) if baselines else None,
+               _median_result(feeds) if feeds else None)
 
 
 def _contenders(run: Run) -> list[tuple[str, Result]]:
@@ -428,6 +445,8 @@ def _contenders(run: Run) -> list[tuple[str, Result]]:
     shown = [("applier", run.mine), ("native", run.theirs)]
     if run.baseline is not None:
         shown.insert(1, ("baseline", run.baseline))
+    if run.feed is not None:
+        shown.insert(1, ("+feed", run.feed))
     return shown
 
 
@@ -454,6 +473,9 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
                   f"{ratio:>11} {peak:>8} {_seconds(result.source_cpu):>8} {_seconds(result.target_cpu):>8} "
                   f"{str(result.equal):>6}")
             ok &= result.equal
+        if run.feed is not None:
+            print(f"{'':<26} {'+feed':<10} {run.feed.seconds / run.mine.seconds:>7.2f}x  (the drain "
+                  "with --change-feed all over the plain one: what recording every change costs)")
         alone = run.alone
         print(f"{'':<26} {'source':<10} {alone:>8.2f} {workload.rows / alone:>10,.0f} "
               f"{workload.transactions / alone:>9,.0f}   (source's physical ceiling: decoding the "
@@ -490,7 +512,7 @@ def _print_details(rows: list[tuple[Workload, Run]], runs_note: str) -> None:
                 return "; ".join(f"{name} " + ", ".join(_seconds(getattr(getattr(r, attr), pick))
                                                          for r in runs)
                                  for name, attr in (("applier", "mine"), ("native", "theirs"),
-                                                    ("baseline", "baseline"))
+                                                    ("baseline", "baseline"), ("+feed", "feed"))
                                  if getattr(runs[0], attr) is not None)
             print(f"{'':<26} each run, visible s: {each('visible')}")
             print(f"{'':<26} each run, confirmed s: {each('confirmed')}")

@@ -15,6 +15,13 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   It is sent where it began, as one COPY or as multi-row UPDATEs or DELETEs, so a change that
   must follow its rows (another kind
   of change of that table, a barrier) closes it first;
+- a table the change feed records (``--change-feed``) has no run; the change row of each insert
+  and of each update that sent every column (and the old key of a moved row) is kept from the
+  values the source sent, per table (``FeedRows``), and written as one COPY or multi-row INSERT
+  before the next barrier or the part's end, so its data folds as any other table's; an update
+  that left a TOAST value unchanged, an update of a table that is not independent and every
+  delete instead record their change rows from the target's rows (``RETURNING``, ``Op.meta``),
+  are never folded, and end folding for their key;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -30,17 +37,20 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
-from ..protocol.messages import TupleData
+from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
     COPY,
     DELETE,
     DELETES,
+    FEED_ROWS,
     INSERT,
+    MOVED,
     SQL_TEXT,
     UPDATE,
     UPDATES,
     BatchStatement,
     Emitter,
+    FeedRows,
     KeyRun,
     Op,
     Run,
@@ -48,6 +58,7 @@ from .batch_sql import (
     present_columns,
 )
 from .copy import copy_binary, copy_text
+from .feed import Meta
 from .mapping import RelationMapping
 from .statements import NEW, OLD
 
@@ -70,18 +81,22 @@ class Batch:
         self.rows = 0
         self.inserts = 0  # of ``rows``: parts are cut by inserts and by other rows apart
         self.bytes = 0
+        #: Change rows (--change-feed) kept since the last barrier, per relation id.
+        self._feed: dict[int, FeedRows] = {}
 
     def __bool__(self) -> bool:
         return bool(self._ops)
 
     def clear(self) -> None:
         self._ops.clear()
+        self._feed = {}
         self._last.clear()
         self._close_every_run()
         self.rows = self.inserts = self.bytes = 0
 
     def forget(self, relation_id: int) -> None:
         """A relation's definition changed: drop what was derived from the old one."""
+        self._flush_feed()
         self._key_getters.pop(relation_id, None)
         self._close_run(relation_id)
         self._emitter.forget(relation_id)
@@ -126,9 +141,24 @@ class Batch:
             getter = self._key_getters[relation_id] = itemgetter(*mapping.key_positions)
         return (relation_id, getter(row.values))
 
-    def insert(self, mapping: RelationMapping, new: TupleData) -> None:
+    def _feed_row(self, mapping: RelationMapping, meta: Meta, op: str, row: TupleData) -> None:
+        rows = self._feed.get(mapping.relation.relation_id)
+        if rows is None:
+            rows = self._feed[mapping.relation.relation_id] = FeedRows(mapping)
+        rows.rows.append((meta, op, row))
+
+    def _flush_feed(self) -> None:
+        """The change rows kept so far go here, in order with the ops around them."""
+        if self._feed:
+            for rows in self._feed.values():
+                self._ops.append(Op(FEED_ROWS, None, None, None, (FEED_ROWS, False), run=rows))
+            self._feed = {}
+
+    def insert(self, mapping: RelationMapping, new: TupleData, meta: Meta | None = None) -> None:
         self._count(new)
         self.inserts += 1
+        if meta is not None:
+            self._feed_row(mapping, meta, "I", new)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
             if op is not None and op.kind == COPY:
@@ -145,7 +175,10 @@ class Batch:
             self._last[self._key(mapping, new)] = len(self._ops)
         self._ops.append(op)
 
-    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
+    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
+               meta: Meta | None = None, moved: tuple[tuple[int, ...], Meta] | None = None) -> None:
+        """``meta``: the table is recorded (``moved``: the update moves its row to another key,
+        whose delete is recorded first, from these positions of the old row)."""
         self._count(new)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
@@ -156,6 +189,15 @@ class Batch:
             self._close_runs(mapping)
         assigned = present_columns(new)
         relation_id = mapping.relation.relation_id
+        if meta is not None:
+            if (KIND_UNCHANGED in new.kinds or not mapping.table.independent
+                    or (moved is not None and KIND_UNCHANGED in old.kinds)):  # type: ignore[union-attr]
+                self._recorded_update(mapping, new, old, meta, assigned, moved)
+                return
+            if moved is not None:
+                assert old is not None
+                self._feed_row(mapping, moved[1], "D", old)
+            self._feed_row(mapping, meta, "U", new)
         if mapping.full_identity or not mapping.key_positions or old is not None:
             # No key to fold on, or the key itself changed (the server sent the old key): this
             # change stands alone and ends folding for both keys.
@@ -190,7 +232,28 @@ class Batch:
         ops.append(Op(UPDATE, mapping, new, None,
                        (UPDATE, relation_id, assigned, NEW, mapping.key_positions, True, True)))
 
-    def delete(self, mapping: RelationMapping, old: TupleData) -> None:
+    def _recorded_update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
+                         meta: Meta, assigned: tuple[int, ...],
+                         moved: tuple[tuple[int, ...], Meta] | None) -> None:
+        """An update whose change row comes from the target's row (RETURNING): never folded, and
+        no later change of its keys folds across it; by key in multi-row statements unless it
+        moves the row to another key."""
+        by_key = not mapping.full_identity
+        if mapping.key_positions and by_key:
+            self._last.pop(self._key(mapping, new), None)
+            if old is not None:
+                self._last.pop(self._key(mapping, old), None)
+        if moved is not None:
+            assert old is not None
+            self._ops.append(Op(MOVED, mapping, old, None,
+                                (MOVED, mapping.relation.relation_id, moved[0], False), meta=moved[1]))
+        match = mapping.key_positions if by_key or old is None else present_columns(old)
+        source = OLD if old is not None else NEW
+        self._ops.append(Op(UPDATE, mapping, new, old,
+                            (UPDATE, mapping.relation.relation_id, assigned, source, match, by_key,
+                             by_key and old is None), meta=meta))
+
+    def delete(self, mapping: RelationMapping, old: TupleData, meta: Meta | None = None) -> None:
         self._count(old)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
@@ -202,18 +265,20 @@ class Batch:
         relation_id = mapping.relation.relation_id
         if mapping.full_identity:
             self._ops.append(Op(DELETE, mapping, old, None,
-                                 (DELETE, relation_id, present_columns(old), False, False)))
+                                 (DELETE, relation_id, present_columns(old), False, False), meta=meta))
             return
         self._last.pop(self._key(mapping, old), None)
         self._ops.append(Op(DELETE, mapping, old, None,
-                             (DELETE, relation_id, mapping.key_positions, True, True)))
+                             (DELETE, relation_id, mapping.key_positions, True, True), meta=meta))
 
     def statement(self, sql: str) -> None:
-        """A statement that must run in order and ends all folding (TRUNCATE)."""
+        """A statement that must run in order and ends all folding (TRUNCATE, SAVEPOINT)."""
+        self._flush_feed()
         self._last.clear()
         self._close_every_run()
         self._ops.append(Op(SQL_TEXT, None, None, None, (SQL_TEXT, False), sql))
 
     def statements(self) -> Iterator[BatchStatement]:
         """The batch as statements (``batch_sql.Emitter.statements``)."""
+        self._flush_feed()
         return self._emitter.statements(self._ops)

@@ -4,110 +4,50 @@ Owns the representation of a recorded change (``Op``) and how runs of ops of one
 statements (``Emitter``): the changes of independent tables gathered per table, runs of inserts
 as one COPY (text or binary) or multi-row INSERTs, runs of updates and deletes by key as
 ``UPDATE ... FROM (VALUES ...)`` and ``DELETE ... WHERE (key) IN (...)``, each statement with the
-exact number of rows it must affect. Every identifier is composed with ``psycopg.sql``. Must
-never record, fold or send anything (``batch.Batch`` records, the pipeline sends).
+exact number of rows it must affect; runs of a table the change feed records also write its
+change rows (``feed_sql``), a run of its updates never holding one key twice. Every identifier is
+composed with ``psycopg.sql``. Must never record, fold or send anything (``batch.Batch`` records,
+the pipeline sends).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Protocol
 
 from psycopg import sql
 
-from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
+from ..protocol.messages import KIND_BINARY
+from . import feed_sql
+from .batch_ops import (
+    COPY,
+    COPY_MIN_ROWS,
+    DELETE,
+    DELETES,
+    FEED_ROWS,
+    INSERT,
+    MOVED,
+    SQL_TEXT,
+    UPDATE,
+    UPDATES,
+    BatchStatement,
+    FeedRows,
+    KeyRun,
+    Op,
+    Run,
+    chunks,
+    collect,
+    every_column,
+    in_format,
+    present_columns,
+)
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_sql, copy_text, copy_text_rows
 from .mapping import RelationMapping
 from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
 
-__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "INSERT",
-           "KeyRun", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES", "every_column", "in_format",
-           "present_columns"]
+__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "FEED_ROWS",
+           "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",
+           "every_column", "in_format", "present_columns"]
 
-INSERT, UPDATE, DELETE, SQL_TEXT, COPY, UPDATES, DELETES = 0, 1, 2, 3, 4, 5, 6
-#: Rows per multi-row statement: a small ladder keeps the number of prepared shapes small.
-_LADDER = (1000, 100, 10, 1)
-_MAX_PARAMS = 65_000
-#: Runs of inserts at least this long go as one COPY: below it, leaving pipeline mode for the
-#: COPY (two round trips of its own, and one more for what was queued before it) costs more than
-#: the multi-row INSERTs it replaces, which join the batch's pipeline. The lane's runs are held as
-#: COPY data; a short one is read back into rows for those INSERTs.
-COPY_MIN_ROWS = 200
-
-
-@dataclass(slots=True)
-class Op:
-    kind: int
-    mapping: RelationMapping | None
-    row: TupleData | None          # new row (insert, update) or old row (delete)
-    old: TupleData | None          # update: the old key/row when sent
-    shape: tuple                   # what makes two ops share one statement
-    sql: str = ""                  # SQL_TEXT ops: a statement sent as is (TRUNCATE)
-    run: Run | KeyRun | None = None  # COPY, UPDATES and DELETES ops: the run
-
-
-@dataclass(slots=True)
-class BatchStatement:
-    """One statement to send: a cache key for its prepared form, SQL, values and the row count."""
-
-    cache_key: tuple | None        # None: send unprepared (rare statements, COPY)
-    sql: str
-    values: list[bytes | None]
-    formats: list[int]
-    expected_rows: int | None
-    copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its data (text or binary)
-
-
-_ALL_COLUMNS: dict[int, tuple[int, ...]] = {}
-#: Column kind bytes -> parameter formats (b -> 1 binary; t, n -> 0 text), one C call per row.
-FORMATS = bytes(1 if i == KIND_BINARY else 0 for i in range(256))
-
-
-def every_column(width: int) -> tuple[int, ...]:
-    every = _ALL_COLUMNS.get(width)
-    if every is None:
-        every = _ALL_COLUMNS[width] = tuple(range(width))
-    return every
-
-
-def in_format(kinds: bytes, binary: bool) -> bool:
-    """Every value of a row is in the given format (binary, else text) or NULL, none unchanged."""
-    return KIND_UNCHANGED not in kinds and (KIND_TEXT if binary else KIND_BINARY) not in kinds
-
-
-def present_columns(row: TupleData) -> tuple[int, ...]:
-    kinds = row.kinds
-    if KIND_UNCHANGED not in kinds:  # the common case: every column was sent
-        return every_column(len(kinds))
-    return tuple(i for i, kind in enumerate(kinds) if kind != KIND_UNCHANGED)
-
-
-class Run(Protocol):
-    """Inserts into one table as COPY text lines or (``binary``) COPY binary tuples, each with every
-    column (``_lane.Run``)."""
-
-    data: bytearray
-    columns: int
-    rows: int
-    binary: bool
-
-
-class KeyRun(Protocol):
-    """Updates of every column (``whole_rows``) or deletes of one table by its key, folded by key
-    (``_lane.KeyRun``), values in text or (``binary``) binary; ``len()`` is the rows they change."""
-
-    columns: int
-    keys: tuple[int, ...]
-    whole_rows: bool
-    binary: bool
-    changes: int
-
-    def __len__(self) -> int: ...
-
-    def add(self, values: tuple[bytes | None, ...]) -> None: ...
-
-    def params(self, start: int, stop: int) -> list[bytes | None]: ...
 
 
 class Emitter:
@@ -165,12 +105,18 @@ class Emitter:
 
     def _runs(self, ops: list[Op]) -> Iterator[BatchStatement]:
         run: list[Op] = []
+        keys: set[tuple] = set()  # updates of a recorded table in the run: none twice (unfolded)
         for op in ops:
             # shape[-1]: whether ops of that shape may share one multi-row statement.
-            if run and (op.shape != run[0].shape or not op.shape[-1]):
+            if run and (op.shape != run[0].shape or not op.shape[-1]
+                        or (op.meta is not None and op.kind == UPDATE
+                            and _key_of(op) in keys)):
                 yield from self._emit(run)
                 run = []
+                keys.clear()
             run.append(op)
+            if op.meta is not None and op.kind == UPDATE:
+                keys.add(_key_of(op))
         if run:
             yield from self._emit(run)
 
@@ -192,13 +138,24 @@ class Emitter:
         if first.kind == UPDATES or first.kind == DELETES:
             yield from self._by_key(first)
             return
+        if first.kind == FEED_ROWS:
+            yield from feed_sql.feed_rows(first.run, self._sql)  # type: ignore[arg-type]
+            return
+        if first.kind == MOVED:
+            yield feed_sql.moved(first, self._sql)
+            return
         if first.kind == INSERT and len(run) >= COPY_MIN_ROWS:
             copy = self._copy(run)
             if copy is not None:
                 yield copy
                 return
-        for position, size in _chunks(len(run), self._params_per_row(first)):
-            yield self._chunk(run[position:position + size])
+        per_row = self._params_per_row(first) + (feed_sql.META_PARAMS if first.meta is not None else 0)
+        for position, size in chunks(len(run), per_row):
+            chunk = run[position:position + size]
+            if first.meta is None:
+                yield self._chunk(chunk)
+            else:
+                yield feed_sql.recorded(chunk, self._sql, self._guard)
 
     def _by_key(self, op: Op) -> Iterator[BatchStatement]:
         """A KeyRun as multi-row UPDATEs or DELETEs by key, shaped (and so prepared) as the
@@ -214,7 +171,7 @@ class Emitter:
         else:
             shape = (DELETE, relation_id, keys, True, True)
             per_row = len(keys)
-        for position, size in _chunks(len(run), per_row):
+        for position, size in chunks(len(run), per_row):
             values = run.params(position, position + size)
             sql = (self._update_text if op.kind == UPDATES else self._delete_text)(mapping, shape, size)
             yield BatchStatement((shape, size), sql, values, [int(run.binary)] * len(values), size)
@@ -225,7 +182,7 @@ class Emitter:
         rows = copy_binary_rows(run.data) if run.binary else copy_text_rows(run.data)
         every = every_column(run.columns)
         shape = (INSERT, mapping.relation.relation_id, every, True, True)
-        for position, size in _chunks(len(rows), run.columns):
+        for position, size in chunks(len(rows), run.columns):
             values = [value for row in rows[position:position + size] for value in row]
             sql_key = (shape, size)
             sql = self._sql.get(sql_key)
@@ -275,20 +232,20 @@ class Emitter:
         if first.kind == INSERT:
             present = first.shape[2]
             for op in chunk:
-                _collect(op.row, present, values, formats)
+                collect(op.row, present, values, formats)
             if sql is None:
                 sql = self._sql[sql_key] = _insert_sql(mapping, present, rows)
         elif first.kind == UPDATE:
             _, _, assigned, source, key_positions, by_key, _ = first.shape
             for op in chunk:
-                _collect(op.row, assigned, values, formats)
-                _collect(op.old if source == OLD else op.row, key_positions, values, formats)
+                collect(op.row, assigned, values, formats)
+                collect(op.old if source == OLD else op.row, key_positions, values, formats)
             if sql is None:
                 sql = self._update_text(mapping, first.shape, rows)
         else:
             positions = first.shape[2]
             for op in chunk:
-                _collect(op.row, positions, values, formats)
+                collect(op.row, positions, values, formats)
             if sql is None:
                 sql = self._delete_text(mapping, first.shape, rows)
         return BatchStatement(sql_key, sql, values, formats, rows)
@@ -313,34 +270,18 @@ class Emitter:
         return sql
 
 
-def _chunks(count: int, per_row: int) -> Iterator[tuple[int, int]]:
-    """(position, size) of the multi-row statements for ``count`` rows: the largest ladder step
-    that fits, under PostgreSQL's limit on parameters per statement."""
-    largest = max(1, min(_LADDER[0], _MAX_PARAMS // max(per_row, 1)))
-    position = 0
-    while position < count:
-        size = next(step for step in (largest, *_LADDER) if step <= largest and step <= count - position)
-        yield position, size
-        position += size
+def _key_of(op: Op) -> tuple:
+    """The key an update by key of a recorded table changes (to keep it once in a statement)."""
+    _, _, _, source, key_positions, _, _ = op.shape
+    row = op.old if source == OLD else op.row
+    assert row is not None
+    return tuple(row.values[i] for i in key_positions)
 
 
 def _copy_sql(mapping: RelationMapping, binary: bool) -> str:
     """COPY of every mapped column, in the source's column order (rows carry all of them)."""
     return copy_sql(table(mapping), [column(mapping, i) for i in range(len(mapping.target_columns))],
                     binary)
-
-
-def _collect(row: TupleData | None, positions: tuple[int, ...], values: list[bytes | None],
-             formats: list[int]) -> None:
-    assert row is not None
-    row_values, kinds = row.values, row.kinds
-    if len(positions) == len(row_values):  # every column, in order
-        values.extend(row_values)  # type: ignore[arg-type]
-        formats.extend(kinds.translate(FORMATS))
-        return
-    for i in positions:
-        values.append(row_values[i])  # type: ignore[arg-type]
-        formats.append(1 if kinds[i] == KIND_BINARY else 0)
 
 
 def _rows_of(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> sql.Composable:

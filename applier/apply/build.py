@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from ..progress.feed import ChangeTable
 from ..progress.postgres import PostgresApplyStore
 from ..progress.records import AppliedPosition
 from ..progress.store import ApplyStore
@@ -20,6 +21,7 @@ from ..protocol.lsn import LSN
 from ..protocol.messages import Relation
 from .dispatch import Applier
 from .fastpath import BatchLimits
+from .feed import FeedWriter
 from .handlers import build_handlers, tag_with_origin
 from .mapping import TargetTable
 from .relations import RelationCache
@@ -48,6 +50,10 @@ class ApplyOptions:
     message_prefixes: Sequence[str] = ()
     conflict_policy: Sequence[str] = ()
     follow_schema: bool = True
+    #: The change feed: the change table of each recorded table, and the seconds of WAL a new
+    #: partition is sized for.
+    feeds: dict[tuple[str, str], ChangeTable] = field(default_factory=dict)
+    feed_interval: float = 86400.0
 
 
 def main_applier(session: TargetSession, options: ApplyOptions,
@@ -62,6 +68,8 @@ def main_applier(session: TargetSession, options: ApplyOptions,
     applied = store.read_position() or AppliedPosition(LSN(0), LSN(0))
     tx = TargetTransaction(session, store, applied, on_commit,
                            track_target_lsn=options.track_target_lsn)
+    if options.feeds:
+        tx.feed = FeedWriter(tx, options.feeds, options.feed_interval)
     handlers = build_handlers(tx, tag, info, two_phase=options.two_phase,
                               two_phase_mode=options.two_phase_mode,
                               skip_origins=options.skip_origins, message_sink=options.message_sink,
@@ -69,7 +77,8 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                               conflict_policy=options.conflict_policy)
     # Tables copied by applier sync: their changes from before each copy's LSN are in it.
     sync_filter = SyncFilter(store.table_sync_lsns())
-    return Applier(tx, RelationCache(reflect, binary_check=options.binary_check), handlers,
+    return Applier(tx, RelationCache(reflect, binary_check=options.binary_check, feeds=options.feeds),
+                   handlers,
                    limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,
                    follow_schema=options.follow_schema, on_relation=on_relation)
 
@@ -89,10 +98,13 @@ def second_applier(main: Applier, session: TargetSession,
                                    origin_xact_setup=tag.name is not None and tag.xact_setup)
     tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
                            track_target_lsn=main.tx.track_target_lsn)
+    if main.tx.feed is not None:
+        tx.feed = FeedWriter(tx, main.tx.feed.tables, main.tx.feed.interval)
     # A schema change here would hold the table's lock until the Stream Commit while the main
     # session waits for it: such a transaction is applied at its commit instead.
     tx.schema_changes = DDL_REFUSED
-    return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check),
+    return Applier(tx, RelationCache(reflect, binary_check=main.relations.binary_check,
+                                     feeds=main.relations.feeds),
                    main.handlers.for_second_session(tx),
                    limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf),
                    follow_schema=main.schema is not None, on_relation=main.on_relation)

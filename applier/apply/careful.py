@@ -2,7 +2,9 @@
 
 Owns applying an Insert, Update, Delete or Truncate on its own, with a cached prepared statement
 per row shape (``statements``), and handing every statement that changed no row to the conflict
-handler (``conflicts``), which detects, records and resolves the conflict under its policy. Used
+handler (``conflicts``), which detects, records and resolves the conflict under its policy. A
+change of a table the change feed records runs as one statement that also writes its change row
+(``feed.FeedWriter.wrap``), so the row count stays the data statement's. Used
 for every transaction the fast path does not take: diverted ones (two-phase), those after a fast
 path failure up to ``careful_until``, and all of them without ``BatchLimits``. Must never begin or
 end a transaction (``transaction.TargetTransaction`` does).
@@ -10,10 +12,13 @@ end a transaction (``transaction.TargetTransaction`` does).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from psycopg import pq
 
 from ..protocol.messages import KIND_UNCHANGED, Delete, Insert, Truncate, Update
 from .conflicts import ConflictHandler
+from .feed import Meta, text_meta
 from .mapping import RelationMapping
 from .relations import RelationCache
 from .statements import (
@@ -51,37 +56,55 @@ class CarefulPath:
         """A relation's definition changed: its statements are built again on next use."""
         self._statements = {k: v for k, v in self._statements.items() if k[1] != relation_id}
 
-    def insert(self, mapping: RelationMapping, msg: Insert) -> None:
+    def _feed(self, statement: Statement, mapping: RelationMapping, meta: Meta | None,
+              op: str) -> Statement:
+        if meta is None:
+            return statement
+        feed = self.tx.feed
+        assert feed is not None
+        return feed.wrap(statement, mapping, op)
+
+    def insert(self, mapping: RelationMapping, msg: Insert, meta: Meta | None = None) -> None:
         new = msg.new_tuple
         present = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         key = ("I", msg.relation_id, present)
         statement = self._statements.get(key)
         if statement is None:
             statement = self._statements[key] = insert_statement(mapping, present)
-        result = self.tx.execute_row(statement, new, None, mapping)
+        values = text_meta(meta) if meta is not None else ()
+        result = self.tx.execute_row(self._feed(statement, mapping, meta, "I"), new, None, mapping,
+                                     values)
         if statement.conflict_key and _rowcount(result) == 0:
             # The key exists already (a row written on the target): under policy apply the
             # source's row wins, as an update by that key.
             if self.conflicts.insert_exists(mapping, new, statement.conflict_key):
-                self.tx.execute_row(self.update_statement(mapping, present, NEW, statement.conflict_key,
-                                                   True), new, None, mapping)
+                update = self.update_statement(mapping, present, NEW, statement.conflict_key, True)
+                self.tx.execute_row(self._feed(update, mapping, meta, "I"), new, None, mapping, values)
 
     def update(self, mapping: RelationMapping, msg: Update, key_source: int,
-               key_positions: tuple[int, ...]) -> None:
+               key_positions: tuple[int, ...], meta: Meta | None = None,
+               moved: tuple[int, ...] | None = None, moved_meta: Meta | None = None) -> None:
+        """``moved``: the update moves its row to another key; the old row's positions to record
+        as the delete of that key, under ``moved_meta``."""
         new, old = msg.new_tuple, msg.old_tuple
         assigned = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         by_key = not mapping.full_identity
         statement = self.update_statement(mapping, assigned, key_source, key_positions, by_key)
         conflicts = self.conflicts
+        values = text_meta(meta) if meta is not None else ()
         if conflicts.origin_id is None:
-            result = self.tx.execute_row(statement, new, old, mapping)
+            run = statement
         else:  # only rows this worker wrote: else update_origin_differs
-            result = self.tx.execute_row(conflicts.guard(statement), new, old, mapping)
+            run = conflicts.guard(statement)
+        result = self.tx.execute_row(self._feed(run, mapping, meta, "U"), new, old, mapping, values)
         if _rowcount(result) == 0:
             conflicts.update_not_applied(mapping, new, old, key_source, key_positions, by_key,
-                                         statement)
+                                         self._feed(statement, mapping, meta, "U"), values)
+        elif moved is not None and moved_meta is not None and self.tx.feed is not None:
+            assert old is not None
+            self.tx.feed.moved(mapping, old, moved, moved_meta)
 
-    def delete(self, mapping: RelationMapping, msg: Delete) -> None:
+    def delete(self, mapping: RelationMapping, msg: Delete, meta: Meta | None = None) -> None:
         old = msg.old_tuple
         if mapping.full_identity:
             positions = tuple(i for i, k in enumerate(old.kinds) if k != KIND_UNCHANGED)
@@ -92,12 +115,17 @@ class CarefulPath:
         if statement is None:
             statement = self._statements[key] = delete_statement(mapping, positions,
                                                                  not mapping.full_identity)
-        result = self.tx.execute_row(statement, None, old, mapping)
+        result = self.tx.execute_row(self._feed(statement, mapping, meta, "D"), None, old, mapping,
+                                     text_meta(meta) if meta is not None else ())
         if _rowcount(result) == 0:
             self.conflicts.delete_missing(mapping, old, positions, not mapping.full_identity)
 
-    def truncate(self, msg: Truncate, tables: list[tuple[str, str]]) -> None:
+    def truncate(self, msg: Truncate, tables: list[tuple[str, str]],
+                 markers: Sequence[str] = ()) -> None:
+        """TRUNCATE, then the change feed's marker rows of the recorded tables among them."""
         self.tx.sql(truncate_sql(tables, msg.restart_identity))
+        for marker in markers:
+            self.tx.sql(marker)
 
     def update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...],
                          key_source: int, key_positions: tuple[int, ...], by_key: bool) -> Statement:

@@ -111,15 +111,16 @@ class ConflictHandler:
 
     def update_not_applied(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
                            key_source: int, key_positions: tuple[int, ...], by_key: bool,
-                           unguarded: Statement) -> None:
-        """An UPDATE changed no row: the row is missing, or (guarded) another origin wrote it."""
+                           unguarded: Statement, meta: Sequence[bytes | None] = ()) -> None:
+        """An UPDATE changed no row: the row is missing, or (guarded) another origin wrote it.
+        ``unguarded``: the update without the origin test (``meta``: its change feed values)."""
         policy = self.policy(mapping)
         if self.origin_id is not None and self._row_exists(mapping, new, old, key_source,
                                                            key_positions, by_key):
             self._report(mapping, "update_origin_differs", policy, new, old, key_source,
                          key_positions, by_key, local=True)
             if policy == "apply":
-                self.tx.execute_row(unguarded, new, old, mapping)
+                self.tx.execute_row(unguarded, new, old, mapping, meta)
             return
         self._report(mapping, "update_missing", policy, new, old, key_source, key_positions,
                      by_key, local=False)

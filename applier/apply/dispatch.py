@@ -43,6 +43,7 @@ from .batch import KeyRun, Run
 from .careful import CarefulPath, update_key
 from .divert import Discard, Divert
 from .fastpath import BatchLimits, FastPath, LaneRoom
+from .feed import moved_key
 from .handlers import Handlers
 from .lane import Lane, lane_for
 from .mapping import MappingError, RelationMapping
@@ -168,7 +169,13 @@ class Applier:
             if aligned is not table:
                 relations.set_target(relation_id, aligned)
                 self._altered.add(relation_id)
-        return relations.mapping(relation_id)
+        mapping = relations.mapping(relation_id)
+        feed = self.tx.feed
+        if mapping.feed is not None and feed is not None:
+            # Forgotten if the transaction rolls back: the change table's columns would too.
+            self._altered.add(relation_id)
+            feed.align(mapping)
+        return mapping
 
     def _transaction_ended(self, committed: bool) -> None:
         if not committed:
@@ -248,6 +255,15 @@ class Applier:
             self.handlers.origins.record(origin.name, origin.origin_lsn, txn.commit_lsn,
                                          txn.commit_time)
         tx.pending["transactions"] += 1
+        feed = tx.feed
+        if feed is not None:
+            # Rows written before the commit was known (applied as it streamed) move to it.
+            for fix in feed.fix_pending(txn.commit_lsn, txn.commit_time):
+                if self._fast:
+                    assert self.fast is not None
+                    self.fast.statement(fix)
+                else:
+                    tx.sql(fix)
         tx.start(None)
         if self._fast:
             assert self.fast is not None
@@ -334,10 +350,11 @@ class Applier:
     def _insert(self, msg: Insert) -> None:
         mapping = self.mapping(msg.relation_id)
         self.tx.pending["insert"] += 1
+        meta = None if mapping.feed is None else self.tx.feed.meta(mapping.feed)  # type: ignore[union-attr]
         if self._fast:
-            self.fast.insert(mapping, msg.new_tuple)  # type: ignore[union-attr]
+            self.fast.insert(mapping, msg.new_tuple, meta)  # type: ignore[union-attr]
         else:
-            self.careful.insert(mapping, msg)
+            self.careful.insert(mapping, msg, meta)
 
     def _update(self, msg: Update) -> None:
         mapping = self.mapping(msg.relation_id)
@@ -347,28 +364,52 @@ class Applier:
                                 "give the source table a primary key or REPLICA IDENTITY",
                                 cause=Cause.NEEDS_OPERATOR)
         self.tx.pending["update"] += 1
-        if self._fast:
+        if mapping.feed is not None:
+            self._update_recorded(mapping, msg, key_source, key_positions)
+        elif self._fast:
             self.fast.update(mapping, msg.new_tuple, msg.old_tuple)  # type: ignore[union-attr]
         else:
             self.careful.update(mapping, msg, key_source, key_positions)
 
+    def _update_recorded(self, mapping: RelationMapping, msg: Update, key_source: int,
+                         key_positions: tuple[int, ...]) -> None:
+        """An update of a table the change feed records (an update that moves its row to
+        another key is also recorded as the delete of the old key, just before it)."""
+        feed, change_table = self.tx.feed, mapping.feed
+        assert feed is not None and change_table is not None
+        moved = moved_key(mapping, msg.new_tuple, msg.old_tuple)
+        moved_meta = feed.meta(change_table) if moved is not None else None
+        meta = feed.meta(change_table)
+        if self._fast:
+            assert self.fast is not None
+            self.fast.update(mapping, msg.new_tuple, msg.old_tuple, meta,
+                             None if moved is None or moved_meta is None else (moved, moved_meta))
+        else:
+            self.careful.update(mapping, msg, key_source, key_positions, meta, moved, moved_meta)
+
     def _delete(self, msg: Delete) -> None:
         mapping = self.mapping(msg.relation_id)
         self.tx.pending["delete"] += 1
+        meta = None if mapping.feed is None else self.tx.feed.meta(mapping.feed)  # type: ignore[union-attr]
         if self._fast:
-            self.fast.delete(mapping, msg.old_tuple)  # type: ignore[union-attr]
+            self.fast.delete(mapping, msg.old_tuple, meta)  # type: ignore[union-attr]
         else:
-            self.careful.delete(mapping, msg)
+            self.careful.delete(mapping, msg, meta)
 
     def _truncate(self, msg: Truncate) -> None:
-        tables = [(mapping.table.schema, mapping.table.name)
-                  for mapping in map(self.mapping, msg.relation_ids)]
+        mappings = [self.mapping(relation_id) for relation_id in msg.relation_ids]
+        tables = [(mapping.table.schema, mapping.table.name) for mapping in mappings]
         if not tables:
             return
+        feed = self.tx.feed
+        markers = feed.truncated(mappings) if feed is not None else []
         if self._fast:
-            self.fast.statement(truncate_sql(tables, msg.restart_identity))  # type: ignore[union-attr]
+            assert self.fast is not None
+            self.fast.statement(truncate_sql(tables, msg.restart_identity))
+            for marker in markers:
+                self.fast.statement(marker)
         else:
-            self.careful.truncate(msg, tables)
+            self.careful.truncate(msg, tables, markers)
         self.tx.pending["truncate"] += 1
 
     def _message(self, msg: Message) -> None:
@@ -452,8 +493,8 @@ class Applier:
             mapping = self.mapping(relation_id)
         except MappingError:
             return False
-        if not mapping.table.independent:
-            return False
+        if not mapping.table.independent or mapping.feed is not None:
+            return False  # the change feed's rows are written on the ordinary path
         if kind != "I" and (not mapping.key_positions or mapping.full_identity):
             return False
         assert self.fast is not None

@@ -24,6 +24,7 @@ from ..progress.records import Position
 from ..protocol.lsn import LSN
 from ..protocol.messages import TupleData
 from .batch import Batch, KeyRun, Run
+from .feed import Meta
 from .mapping import RelationMapping
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .transaction import TargetTransaction
@@ -94,16 +95,17 @@ class FastPath:
             self.open = True
             self._started = time.monotonic()
 
-    def insert(self, mapping: RelationMapping, new: TupleData) -> None:
-        self.batch.insert(mapping, new)
+    def insert(self, mapping: RelationMapping, new: TupleData, meta: Meta | None = None) -> None:
+        self.batch.insert(mapping, new, meta)
         self._bound()
 
-    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None) -> None:
-        self.batch.update(mapping, new, old)
+    def update(self, mapping: RelationMapping, new: TupleData, old: TupleData | None,
+               meta: Meta | None = None, moved: tuple[tuple[int, ...], Meta] | None = None) -> None:
+        self.batch.update(mapping, new, old, meta, moved)
         self._bound()
 
-    def delete(self, mapping: RelationMapping, old: TupleData) -> None:
-        self.batch.delete(mapping, old)
+    def delete(self, mapping: RelationMapping, old: TupleData, meta: Meta | None = None) -> None:
+        self.batch.delete(mapping, old, meta)
         self._bound()
 
     def statement(self, sql: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, text
 
 from ..errors import ApplierError, Cause
+from ..progress.feed import ChangeTable
 from ..protocol.messages import Relation
 from ..quoting import ident, qualified
 
@@ -154,6 +155,7 @@ class RelationMapping:
     target_columns: tuple[TargetColumn, ...]   # parallel to relation.columns
     key_positions: tuple[int, ...]             # source positions of the replica identity columns
     full_identity: bool                        # REPLICA IDENTITY FULL: match the old row on all columns
+    feed: ChangeTable | None = None            # the change table recording its changes (--change-feed)
 
     @property
     def binary_safe(self) -> bool:
@@ -164,7 +166,8 @@ class RelationMapping:
                    for column, target in zip(self.relation.columns, self.target_columns))
 
 
-def map_relation(relation: Relation, table: TargetTable) -> RelationMapping:
+def map_relation(relation: Relation, table: TargetTable,
+                 feed: ChangeTable | None = None) -> RelationMapping:
     mapped = []
     for column in relation.columns:
         target = table.columns.get(column.name)
@@ -176,4 +179,4 @@ def map_relation(relation: Relation, table: TargetTable) -> RelationMapping:
                 "column on the target and restart")
         mapped.append(target)
     keys = tuple(i for i, column in enumerate(relation.columns) if column.is_key)
-    return RelationMapping(relation, table, tuple(mapped), keys, relation.replica_identity == "f")
+    return RelationMapping(relation, table, tuple(mapped), keys, relation.replica_identity == "f", feed)

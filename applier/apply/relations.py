@@ -6,8 +6,9 @@ table of each as read from the target (or as a schema change in the open target 
 it), and the ``RelationMapping`` of each onto its table, built the first time a change needs it
 and dropped whenever a new Relation message describes that relation again. With
 ``binary_check`` (``--binary auto``) a relation whose binary values would not mean the same on
-the target raises ``TextValuesNeeded`` before any of its values is used. Must never run a
-statement on the apply session.
+the target raises ``TextValuesNeeded`` before any of its values is used. The mapping of a table
+the change feed records carries its change table. Must never run a statement on the apply
+session.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from ..errors import Cause, TextValuesNeeded
+from ..progress.feed import ChangeTable
 from ..protocol.messages import Relation
 from .mapping import MappingError, RelationMapping, TargetTable, map_relation
 
@@ -28,8 +30,11 @@ class UnknownRelation(MappingError):
 
 
 class RelationCache:
-    def __init__(self, reflect: Callable[[str, str], TargetTable], *, binary_check: bool = False) -> None:
+    def __init__(self, reflect: Callable[[str, str], TargetTable], *, binary_check: bool = False,
+                 feeds: dict[tuple[str, str], ChangeTable] | None = None) -> None:
         self._reflect = reflect
+        #: The change tables of the tables whose changes the change feed records.
+        self.feeds = feeds or {}
         #: The stream's binary values were not asked for by the user (--binary auto): each
         #: relation must be binary-safe (``RelationMapping.binary_safe``), else TextValuesNeeded.
         self.binary_check = binary_check
@@ -110,7 +115,9 @@ class RelationCache:
         mapping = self._mappings.get(relation_id)
         if mapping is not None:
             return mapping
-        mapping = map_relation(self.relation(relation_id), self.target(relation_id))
+        table = self.target(relation_id)
+        mapping = map_relation(self.relation(relation_id), table,
+                               self.feeds.get((table.schema, table.name)) if self.feeds else None)
         if self.binary_check and not mapping.binary_safe:
             raise TextValuesNeeded(
                 f"the types of {mapping.table.sql_name} differ between source and target or are not "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from psycopg import pq, sql
 
@@ -29,6 +30,9 @@ from .mapping import RelationMapping
 from .pipeline import Pipeline
 from .statements import NEW, Statement
 from .target import Preparable, TargetSession
+
+if TYPE_CHECKING:
+    from .feed import FeedWriter
 
 __all__ = ["DURABLE_COMMIT", "OnCommit", "TargetTransaction", "WAL_INSERT_LSN"]
 
@@ -62,6 +66,8 @@ class TargetTransaction:
         self.schema_changes = "inline"
         #: Called with True when the open transaction commits, False when it rolls back.
         self.on_end: list[Callable[[bool], None]] = []
+        #: The change feed's writer of this session (--change-feed), None when the feed is off.
+        self.feed: FeedWriter | None = None
 
     # -- the source transaction and its error context ---------------------------------------------
     def start(self, txn: TransactionStart | None) -> None:
@@ -99,12 +105,17 @@ class TargetTransaction:
         return self.session.run(statement, values, formats)
 
     def execute_row(self, statement: Statement, new: TupleData | None, old: TupleData | None,
-                    mapping: RelationMapping) -> pq.abc.PGresult:
+                    mapping: RelationMapping, meta: Sequence[bytes | None] = ()) -> pq.abc.PGresult:
         """Run a row statement, its parameters taken from the new and old rows in the format
-        each value arrived in; a failure names the table."""
+        each value arrived in (and the change feed's ``meta`` values, in text); a failure names
+        the table."""
         values: list[bytes | None] = []
         formats: list[int] = []
         for source, position in statement.params:
+            if source > 1:  # feed.META
+                values.append(meta[position])
+                formats.append(0)
+                continue
             row = new if source == NEW else old
             assert row is not None
             values.append(row.values[position])  # type: ignore[arg-type]

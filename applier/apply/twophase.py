@@ -36,6 +36,10 @@ recorded position: already handled" covers everything once a position is recorde
 * a Commit/Rollback Prepared whose transaction is on the target in neither form (it was skipped,
   came from a skipped origin, or was finished before a crash) only records the position.
 
+With the change feed, the change rows of a transaction prepared on the target are written in it
+with a pending commit LSN and take the COMMIT PREPARED's LSN in the transaction that records it
+(a deferred one is applied at COMMIT PREPARED, so its rows have their LSN at once).
+
 Empty prepared transactions and prepared transactions with (rolled back) savepoints need nothing
 special: the source sends what the transaction contains at prepare time. A prepared transaction
 pending on the target holds its row locks, exactly as it does on the source, and never the
@@ -151,6 +155,8 @@ class TwoPhase:
         # ACCESS EXCLUSIVE lock until COMMIT PREPARED, while later source transactions that
         # touch the table wait for it: it is made on its own first (schema.DDL_SEPARATELY).
         tx.schema_changes = DDL_SEPARATELY
+        if tx.feed is not None:
+            tx.feed.defer()  # its change rows get their commit LSN at COMMIT PREPARED
         return _Preparing(self, host)
 
     def store_header(self, txn: TransactionEnd, mode: str, changes: int) -> None:
@@ -177,6 +183,10 @@ class TwoPhase:
             if not skipping:
                 self._replay(host, msg.xid)
             tx.store.drop_prepared_chunks(msg.xid)
+        elif header is not None and not skipping and tx.feed is not None:
+            # Prepared on the target: its change rows committed just now, pending; they take
+            # the commit's LSN in the transaction that records it (so exactly once).
+            tx.feed.fix_prepared(msg.xid, msg.commit_lsn, msg.commit_time)
         if skipping:
             skips.record(SkippedTransaction("commit_prepared", msg.commit_lsn, msg.end_lsn, msg.xid,
                                             msg.gid, header.changes if header else 0, ()))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..ops.lag import LagLimit
-from ..units import format_size
+from ..units import format_duration, format_size
 from .option import Option
 from .options import OPTIONS
 
@@ -38,7 +38,7 @@ _SAMPLES: dict[str, Any] = {
     "slot": "applier_app", "publication": ["app_pub"], "spill_dir": "/var/lib/applier/spill",
     "skip_lsn": "16/B374D848", "lsn": "16/B374D848", "metrics_port": 9188, "max_lag": "64MB",
     "master": "spark://spark.example:7077", "jdbc_jar": "/usr/share/java/postgresql.jar",
-    "output": "/var/lib/applier/pipeline",
+    "output": "/var/lib/applier/pipeline", "change_feed": ["public.orders", "public.customers"],
 }
 _KIND_SAMPLES: dict[str, Any] = {"bool": True, "int": 4, "str": ""}
 
@@ -49,6 +49,8 @@ def _toml_example(option: Option) -> str:
         value = option.choices[0] if option.choices else _KIND_SAMPLES[option.kind]
     if option.kind == "size" and isinstance(value, int):
         value = format_size(value)
+    elif option.kind == "duration" and isinstance(value, float):
+        value = format_duration(value)
     elif isinstance(value, (LagLimit, Path)):
         value = str(value.text if isinstance(value, LagLimit) else value)
     return json.dumps(value)  # the JSON of a string, number, boolean or list is TOML too

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..ops.lag import LagLimit, parse_duration, parse_lag_limit
+from ..ops.lag import LagLimit, parse_lag_limit
 from ..protocol.lsn import LSN
-from ..units import format_size, parse_size
+from ..units import format_duration, format_size, parse_duration, parse_size
 
 __all__ = ["ConfigError", "Option"]
 
@@ -97,7 +97,7 @@ class Option:
         if isinstance(value, list):
             return ",".join(value)
         if self.kind == "duration":
-            return f"{value:g}s"
+            return format_duration(value)
         if isinstance(value, float):
             return f"{value:g}"  # 10, not 10.0
         return str(value)
@@ -119,7 +119,7 @@ class Option:
             "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
             "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
-            "duration": lambda v: parse_duration(str(v)),
+            "duration": parse_duration,
         }
         try:
             value = converters[self.kind](raw)

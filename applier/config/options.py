@@ -121,6 +121,17 @@ OPTIONS: tuple[Option, ...] = (
            "applier.schema_changes. Any other type change stops the worker. error: the worker "
            "stops at a missing column, as PostgreSQL's subscriber does.",
            kind="choice", choices=("follow", "error"), default="follow"),
+    Option("change_feed", "Record every row change applied to these tables, in the same target "
+           "transaction, in a change table of each (schema applier_changes, partitioned by "
+           "source commit LSN): the row, the operation (insert, update, delete; truncate as a "
+           "marker), the source commit LSN, commit time, xid and the change's order in its "
+           "transaction. 'all': every published table; else SCHEMA.TABLE names, comma separated. "
+           "Spark reads it with applier.spark.read_changes. Default: off.", kind="list",
+           default=[], metavar="all|TABLE[,TABLE...]"),
+    Option("change_feed_retention", "How long the change feed keeps history: partitions whose "
+           "changes are all older than this are dropped in the background (never while a reader "
+           "holds a snapshot of the change tables). Units s, min, h, d.", kind="duration",
+           default=7 * 86400.0),
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget (drop removes the slot's spill files there). Default: a directory per slot "
            "under the system temp directory.", kind="path",
@@ -212,9 +223,6 @@ OPTIONS: tuple[Option, ...] = (
            commands=("pipeline",)),
     Option("output", "Directory of the Parquet result and its state file. Required.", kind="path",
            commands=("pipeline",)),
-    Option("lsn_column", "pg_lsn column the source stamps on every write; when the table has it, "
-           "runs after the first process only what changed.", default="_source_lsn",
-           metavar="COLUMN", commands=("pipeline",)),
     Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
            default=False, commands=("pipeline",)),
     # -- a replica's last steps (applier/lifecycle/) --------------------------------------------------

@@ -17,7 +17,7 @@ from ..ops.lag import LagLimit
 from ..protocol.lsn import LSN
 from .option import ConfigError
 from .options import OPTIONS, entry
-from .values import parse_conflict_policies
+from .values import parse_conflict_policies, parse_table_name
 
 __all__ = ["Settings", "load_settings", "mask_dsn"]
 
@@ -58,6 +58,8 @@ class Settings:
     memory_budget: int
     streamed_apply: Literal["early", "commit"]
     schema_changes: Literal["follow", "error"]
+    change_feed: list[str]
+    change_feed_retention: float
     spill_dir: Path | None
     batch_rows: int
     batch_bytes: int
@@ -90,7 +92,6 @@ class Settings:
     group_by: str
     measure: str
     output: Path | None
-    lsn_column: str
     full: bool
     # -- a replica's last steps
     margin: int
@@ -218,6 +219,13 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("progress_interval must be at least 1 second")
     if settings.memory_budget < 64 * 1024:
         raise ConfigError("memory_budget must be at least 64kB")
+    if settings.change_feed_retention < 1:
+        raise ConfigError("change_feed_retention must be at least 1s")
+    if "all" in settings.change_feed and len(settings.change_feed) > 1:
+        raise ConfigError("change_feed: 'all' already names every published table; give it alone")
+    for name in settings.change_feed:
+        if name != "all":
+            parse_table_name(name, "change_feed")
     if settings.conflict_policy:
         parse_conflict_policies(settings.conflict_policy)
     if settings.command == "pipeline" and len(settings.table) != 1:

@@ -15,7 +15,7 @@ __all__ = ["CONFLICT_POLICIES", "parse_conflict_policies", "parse_table_name"]
 CONFLICT_POLICIES = ("apply", "error", "keep-local")
 
 
-def parse_table_name(text: str) -> tuple[str, str]:
+def parse_table_name(text: str, option: str = "conflict_policy") -> tuple[str, str]:
     """``schema.table`` (either part may be double-quoted) or ``table`` (schema public)."""
     parts: list[str] = []
     current: list[str] = []
@@ -40,7 +40,7 @@ def parse_table_name(text: str) -> tuple[str, str]:
         i += 1
     parts.append("".join(current))
     if quoted or not 1 <= len(parts) <= 2 or not all(parts):
-        raise ConfigError(f"conflict_policy: {text!r} is not a table name (schema.table or table)")
+        raise ConfigError(f"{option}: {text!r} is not a table name (schema.table or table)")
     return ("public", parts[0]) if len(parts) == 1 else (parts[0], parts[1])
 
 

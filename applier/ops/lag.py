@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ..protocol.lsn import LSN
-from ..units import parse_size
+from ..units import DURATION, parse_duration, parse_size
 
-__all__ = ["Lag", "LagLimit", "measure_lag", "parse_duration", "parse_lag_limit"]
+__all__ = ["Lag", "LagLimit", "measure_lag", "parse_lag_limit"]
 
 
 @dataclass(frozen=True)
@@ -61,32 +61,7 @@ class LagLimit:
         return lag.seconds > self.seconds
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|sec|secs|seconds?|min|mins|minutes?|h|hours?|d|days?)\s*$",
-                       re.IGNORECASE)
-_SECONDS = {"ms": 0.001, "s": 1, "sec": 1, "min": 60, "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
 _BARE_NUMBER = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
-
-
-def _duration(text: str) -> float | None:
-    """Seconds of ``'30s'``, ``'5min'``, ``'2h'``; None when ``text`` is not a duration."""
-    match = _DURATION.match(text)
-    if not match:
-        return None
-    unit = match.group(2).lower()
-    unit = {"secs": "s", "second": "s", "seconds": "s", "mins": "min", "minute": "min",
-            "minutes": "min", "hours": "hour", "days": "day"}.get(unit, unit)
-    return float(match.group(1)) * _SECONDS[unit]
-
-
-def parse_duration(text: str) -> float:
-    """``'30s'``, ``'5min'``, ``'2h'`` or a bare number of seconds -> seconds; ValueError otherwise."""
-    if _BARE_NUMBER.match(text):
-        return float(text)
-    seconds = _duration(text)
-    if seconds is None:
-        raise ValueError(f"invalid duration {text!r}: use e.g. 30s, 5min, 2h (a bare number is "
-                         "seconds)")
-    return seconds
 
 
 def parse_lag_limit(text: str) -> LagLimit:
@@ -95,9 +70,8 @@ def parse_lag_limit(text: str) -> LagLimit:
     A number without a unit is refused (is ``5`` five bytes or five seconds?), except ``0``, which
     is the same either way.
     """
-    seconds = _duration(text)
-    if seconds is not None:
-        return LagLimit(text, seconds=seconds)
+    if DURATION.match(text):
+        return LagLimit(text, seconds=parse_duration(text))
     if _BARE_NUMBER.match(text) and float(text) != 0:
         raise ValueError(f"lag limit {text!r} has no unit: write a size of WAL (e.g. "
                          f"{text.strip()}MB) or a duration (e.g. {text.strip()}s, {text.strip()}min)")

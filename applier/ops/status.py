@@ -7,8 +7,10 @@ CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never writ
 database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
-``applier.skipped_transactions``, ``applier.origins``) are read only when the target's catalog has them, so status
-works on a target whatever version of the schema it carries.
+``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``) are read only
+when the target's catalog has them, so status works on a target whatever version of the schema
+it carries. The change feed is shown per table: the LSN range it retains, its partitions, a row
+estimate and its size.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ..assembler.buffer import default_spill_dir
 from ..config import Settings, mask_dsn
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.feed_registry import FeedRegistry
 from ..progress.records import Progress
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
@@ -62,6 +65,7 @@ class StatusReport:
     origins: list[dict[str, Any]] | None
     schema_changes: list[dict[str, Any]]
     publication_tables: list[dict[str, Any]]
+    change_feed: list[dict[str, Any]] | None
     spill_dir: str
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
@@ -115,6 +119,8 @@ def collect_status(settings: Settings) -> StatusReport:
         publication_tables = [{"schema_name": schema, "table_name": table, "state": state}
                               for (schema, table), state in
                               sorted(store.publication_tables(slot_name).items())]
+        change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
+                       if "change_tables" in tables else None)
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -135,7 +141,7 @@ def collect_status(settings: Settings) -> StatusReport:
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
-        spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
+        change_feed=change_feed, spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
 
 class StatusError(Exception):
@@ -220,6 +226,17 @@ def _table_sync_line(row: Mapping[str, Any]) -> str:
     return text
 
 
+def _feed_line(row: Mapping[str, Any], progress: Progress | None) -> str:
+    """``public.orders -> applier_changes.public.orders: changes committed after 0/0 up to
+    0/1B2C3D4, 3 partition(s), ~1200 rows, 240.0 kB``."""
+    upper = row.get("stopped_lsn") or (progress.commit_lsn if progress else None)
+    stopped = " (stopped: no longer recorded)" if row.get("stopped_lsn") else ""
+    return (f"{row['table']} -> {row['change_table']}: changes committed after "
+            f"{row['retained_after']} up to {upper or 'the applied position'}{stopped}, "
+            f"{row['partitions']} partition(s), ~{row['estimated_rows']} rows, "
+            f"{_size(row['bytes']).split(' (')[0]}")
+
+
 def render_table(report: StatusReport) -> str:
     rows: list[tuple[str, str]] = []
     slot = report.slot
@@ -269,6 +286,9 @@ def render_table(report: StatusReport) -> str:
     if report.schema_changes:
         rows.append(("schema changes", f"{len(report.schema_changes)} latest" + "".join(
             f"\n  {_jsonable(c.get('applied_at'))} {c['statement']}" for c in report.schema_changes)))
+    if report.change_feed:
+        rows.append(("change feed", f"{len(report.change_feed)} table(s)" + "".join(
+            f"\n  {_feed_line(row, progress)}" for row in report.change_feed)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
             f"\n  {_table_sync_line(row)}" for row in report.table_sync)))

@@ -20,7 +20,7 @@ __all__ = ["LOCK_NAMESPACE", "MIGRATIONS_DIR", "SCHEMA_HEAD", "SchemaError", "ma
 
 #: The newest migration's revision (a unit test holds it to alembic's own head). A schema already
 #: there needs no alembic at all, which saves loading it (a third of a second) at every start.
-SCHEMA_HEAD = "0005"
+SCHEMA_HEAD = "0006"
 
 #: Advisory lock namespace (first key) for applier; the second key identifies what is locked.
 LOCK_NAMESPACE = 0x4150504C  # 'APPL'

@@ -8,19 +8,17 @@ commit time, the snapshot and how the run computed the result. Must never write 
 and never leave a half-written result where the last good one was (it writes a new directory,
 then switches the state file to it).
 
-Incremental or full, and why. The worker applies deletes as deletes, so the replica itself
-cannot list what changed since an LSN. A table *carries* the LSN when it has ``--lsn-column``
-(default ``_source_lsn``, type pg_lsn): a column the source sets on every insert and update
-(``DEFAULT pg_current_wal_lsn()`` plus a BEFORE UPDATE trigger) and that replicates like any
-other. Then the next run reads only rows with that column past the previous run's commit LSN,
-recomputes exactly the groups those rows belong to (in the same snapshot), and keeps every other
-group from the previous result. Deleted rows and rows moved to another group are invisible to
-that read; they can only leave an untouched group with too many rows, so the run checks that the
-group counts add up to the table's row count in the snapshot and recomputes everything if not.
-A table without the column is always recomputed in full: there is nothing that says what
-changed, and a full aggregate over a consistent snapshot is always right. Known limit: a source
-transaction open across the previous run's position can write rows whose column is below that
-position yet commit after it; run ``--full`` periodically if such long transactions exist.
+Incremental or full, and why. When the worker records the table in the change feed
+(``--change-feed``), a run after the first reads only the changes committed since the previous
+run's commit LSN (``read_changes``, ``net=True``: one row per key, its final state or a delete, in
+the same snapshot as the table). The groups to recompute are the new groups of the changed keys
+and the groups those keys were in before, which the previous run kept beside its result (the
+*key index*: each key's group, in Parquet); so deletes and rows moving between groups are exact.
+Only those groups are read from the table and aggregated again, every other group is kept from
+the previous result, and the key index is updated from the same changes. A run recomputes in
+full when there is no previous result or key index, with ``--full``, when the table is not
+recorded or has no key, when the feed no longer retains the range (``HistoryNotRetained``), and
+when the range holds a truncate. No column or trigger on the source is needed.
 """
 
 from __future__ import annotations
@@ -36,8 +34,9 @@ from .. import cli
 from ..config import Settings
 from ..exit_codes import ExitCode
 from ..quoting import ident
+from .changes import HistoryNotRetained, read_changes
 from .columns import describe_table
-from .reader import read_table
+from .reader import read_table, spark_column
 from .session import SparkUnavailable, spark_session
 from .snapshot import open_snapshot
 
@@ -63,43 +62,64 @@ def _aggregate(frame: DataFrame, group_by: str, measure: str) -> DataFrame:
                                        F.sum(F.col(measure)).alias(f"sum_{measure}"))
 
 
+def _in_groups(snap: Snapshot, group_by: str, groups: list[Any]) -> str:
+    """SQL: the group column is one of ``groups`` (None: NULL)."""
+    present = [g for g in groups if g is not None]
+    terms = [f"{ident(group_by)} = ANY({snap.literal(present)})"] if present else []
+    if len(present) < len(groups):
+        terms.append(f"{ident(group_by)} IS NULL")
+    return " OR ".join(terms) or "false"
+
+
 def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table: str,
-                 previous: dict[str, Any], output: Path) -> DataFrame | None:
-    """The new result from the changed groups and the previous result, or None if unsound."""
+                 key: tuple[str, ...], previous: dict[str, Any],
+                 output: Path) -> tuple[DataFrame, DataFrame] | str:
+    """The new result and key index from the changes since the previous run, or why not."""
     from pyspark.sql import functions as F
 
-    lsn = str(previous["commit_lsn"])
     group_by, measure = settings.group_by, settings.measure
-    changed = read_table(spark, table, snap, columns=[group_by],
-                         where=f"{ident(settings.lsn_column)} > {snap.literal(lsn)}::pg_lsn")
-    groups = [row[0] for row in changed.distinct().collect()]
+    try:
+        changes = read_changes(spark, table, snap, start_lsn=str(previous["commit_lsn"]), net=True)
+    except HistoryNotRetained as exc:
+        return f"full ({exc})"
+    wanted = [spark_column(c) for c in dict.fromkeys([*key, group_by])]
+    changes = changes.select("change_op", *wanted).persist()
+    if changes.where(F.col("change_op") == "T").limit(1).count():
+        changes.unpersist()
+        return "full (the table was truncated)"
+    keys = [spark_column(k) for k in key]
+    old_index = spark.read.parquet(str(output / previous["keys"]))
+    changed = changes.select(*keys)
+    before = old_index.join(changed, list(key), "inner").select(spark_column(group_by))
+    after = changes.where(F.col("change_op") != "D").select(spark_column(group_by))
+    groups = [row[0] for row in before.union(after).distinct().collect()]
     old = spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn")
     if groups:
-        in_groups = f"{ident(group_by)} = ANY({snap.literal(groups)})"
         recomputed = _aggregate(read_table(spark, table, snap, columns=[group_by, measure],
-                                           where=in_groups), group_by, measure)
-        kept = old.where(~F.col(group_by).isin(groups) | F.col(group_by).isNull())
-        result = kept.unionByName(recomputed)
+                                           where=_in_groups(snap, group_by, groups)), group_by, measure)
+        column = F.col(spark_column(group_by))
+        untouched = ~column.isin([g for g in groups if g is not None])
+        if None in groups:
+            untouched = untouched & column.isNotNull()
+        else:
+            untouched = untouched | column.isNull()
+        result = old.where(untouched).unionByName(recomputed)
     else:
         result = old
-    result = result.persist()
-    rows = snap.query(f"SELECT count(*) FROM {describe_table(snap, table).qualified}")[0][0]
-    summed = result.agg(F.sum("rows")).first()
-    total = (summed[0] if summed is not None else 0) or 0
-    if total != rows:  # an untouched group lost rows: deletes or moves the changed rows hide
-        result.unpersist()
-        return None
-    return result
+    index = old_index.join(changed, list(key), "left_anti").unionByName(
+        changes.where(F.col("change_op") != "D").select(*keys, spark_column(group_by)))
+    return result, index
 
 
 def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
-    """One run: read at one snapshot, aggregate (incrementally when sound), publish the result."""
+    """One run: read at one snapshot, aggregate (incrementally when the change feed allows it),
+    publish the result and its key index, then the state naming both and the position."""
     from pyspark.sql import functions as F
 
     assert settings.target is not None and settings.output is not None  # required by the command
     output = settings.output
     (table,) = settings.table  # the settings allow pipeline exactly one
-    group_by, measure, lsn_column = settings.group_by, settings.measure, settings.lsn_column
+    group_by, measure = settings.group_by, settings.measure
     output.mkdir(parents=True, exist_ok=True)
     previous = _state(output)
     started = time.monotonic()
@@ -108,30 +128,44 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
             raise LookupError(f"the replica has {len(snap.position.positions)} applier.progress rows; "
                               "pass --slot to say which position tags the result")
         position = snap.position.positions[0]
-        info = describe_table(snap, table)
-        carries_lsn = any(c.name == lsn_column and c.typname == "pg_lsn" for c in info.columns)
-        mode = "full" if carries_lsn else f"full (the table has no {lsn_column} column)"
-        result = None
-        if carries_lsn and previous is not None and not settings.full:
-            result = _incremental(spark, snap, settings, table, previous, output)
-            mode = "incremental" if result is not None else "full (group counts did not add up)"
-        if result is None:
-            result = _aggregate(read_table(spark, table, snap, columns=[group_by, measure]),
-                                group_by, measure)
-        data = f"data-{position.commit_lsn.replace('/', '-')}-{int(time.time() * 1000)}"
+        key = describe_table(snap, table).key
+        found: tuple[DataFrame, DataFrame] | str
+        if settings.full:
+            found = "full (--full)"
+        elif previous is None or not previous.get("keys"):
+            found = "full (no previous result with a key index)"
+        elif not key:
+            found = "full (the table has no key)"
+        else:
+            found = _incremental(spark, snap, settings, table, key, previous, output)
+        if isinstance(found, str):
+            mode = found
+            rows = read_table(spark, table, snap,
+                              columns=[*dict.fromkeys([*key, group_by, measure])]).persist()
+            result = _aggregate(rows, group_by, measure)
+            index = rows.select(*[spark_column(k) for k in key], spark_column(group_by)) if key else None
+        else:
+            mode = "incremental"
+            result, index = found
+        stamp = f"{position.commit_lsn.replace('/', '-')}-{int(time.time() * 1000)}"
+        data, keys = f"data-{stamp}", (f"keys-{stamp}" if index is not None else None)
         result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
             .write.mode("overwrite").parquet(str(output / data))
+        if index is not None:
+            index.write.mode("overwrite").parquet(str(output / str(keys)))
         groups = spark.read.parquet(str(output / data)).count()
     state = {"table": table, "group_by": group_by, "measure": measure,
              "commit_lsn": position.commit_lsn, "end_lsn": position.end_lsn,
              "commit_time": position.commit_time, "slot_name": position.slot_name,
              "snapshot": snap.snapshot_id, "mode": mode, "groups": groups, "data": data,
-             "seconds": round(time.monotonic() - started, 3)}
+             "keys": keys, "seconds": round(time.monotonic() - started, 3)}
     temporary = output / (STATE_FILE + ".tmp")
     temporary.write_text(json.dumps(state, indent=2) + "\n")
     temporary.replace(output / STATE_FILE)  # the switch to the new result is one rename
-    if previous is not None and previous["data"] != data:
-        shutil.rmtree(output / previous["data"], ignore_errors=True)
+    if previous is not None:
+        for name in ("data", "keys"):
+            if previous.get(name) and previous[name] not in (data, keys):
+                shutil.rmtree(output / previous[name], ignore_errors=True)
     return state
 
 

@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
 __all__ = ["ReadPosition", "SlotPosition", "Snapshot", "TableInfo", "describe_table", "jdbc_options",
-           "open_snapshot", "read_table", "read_tables", "source_position", "spark_column"]
+           "open_snapshot", "read_table", "read_tables", "source_position", "spark_column",
+           "with_position"]
 
 #: Rows per round trip: large enough to keep the network busy, small enough that a partition
 #: never holds more than this many rows of driver memory. Never 0 (0 buffers whole partitions).
@@ -164,11 +165,13 @@ def read_table(spark: SparkSession, table: str, snapshot: Snapshot, *,
     else:
         frame = spark.read.format("jdbc").option("url", url).option("dbtable", subquery) \
             .options(**properties).load()
-    return _with_position(frame, snapshot.position, position_columns, hidden)
+    return with_position(frame, snapshot.position, position_columns, hidden)
 
 
-def _with_position(frame: DataFrame, position: ReadPosition, add_columns: bool,
-                   hidden: Sequence[str]) -> DataFrame:
+def with_position(frame: DataFrame, position: ReadPosition, add_columns: bool,
+                  hidden: Sequence[str]) -> DataFrame:
+    """``frame`` with the source position in every column's metadata (``source_position``), the
+    ``hidden`` columns left out, and (``add_columns``) the position as two more columns."""
     from pyspark.sql import functions as F
 
     metadata = {METADATA_KEY: position.to_json()}

@@ -3,8 +3,10 @@
 Owns: exporting a snapshot in a REPEATABLE READ, READ ONLY transaction that stays open until the
 ``with`` block ends (:class:`Snapshot`), the statement with which every partition's connection
 imports it, and reading, in that same snapshot, the source position the applier worker recorded
-in ``applier.progress`` (:class:`ReadPosition`). Must never write to the database, or let the
-server's idle-in-transaction limit end the snapshot under a long Spark job.
+in ``applier.progress`` (:class:`ReadPosition`). On a replica with a change feed it first takes
+the feed's shared advisory lock, so that the history :mod:`.changes` reads in the snapshot stays
+there. Must never write to the database, or let the server's idle-in-transaction limit end the
+snapshot under a long Spark job.
 
 Each Spark action re-reads the table, so every action (or ``persist()`` and materialise) must run
 inside the block; after it a read fails loudly with "snapshot ... does not exist", never with a
@@ -23,6 +25,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from ..connections import connect
+from ..progress.feed_registry import FEED_LOCK
 from ..quoting import literal
 
 __all__ = ["ReadPosition", "SlotPosition", "Snapshot", "database_label", "open_snapshot"]
@@ -62,10 +65,19 @@ class Snapshot:
     ``snapshot_id``. Close it (or leave the ``with`` block) only after every Spark action ran.
     """
 
-    def __init__(self, dsn: str, conn: psycopg.Connection[Any], position: ReadPosition) -> None:
+    def __init__(self, dsn: str, conn: psycopg.Connection[Any], position: ReadPosition,
+                 history_locked: bool = False) -> None:
         self.dsn = dsn
         self.position = position
         self._conn = conn
+        #: The change feed's history cannot shrink while this snapshot is open (its shared
+        #: lock was taken before the snapshot): :func:`.changes.read_changes` may read it.
+        self.history_locked = history_locked
+
+    @property
+    def connection(self) -> psycopg.Connection[Any]:
+        """The connection holding the snapshot (queries on it run in the snapshot)."""
+        return self._conn
 
     @property
     def snapshot_id(self) -> str:
@@ -107,8 +119,10 @@ def open_snapshot(dsn: str, *, slot: str | None = None) -> Snapshot:
     none); by default every row is reported (normally there is one). A database without
     ``applier.progress`` (a source, say) reports no slot positions, only its WAL position.
     """
-    conn = connect(dsn, application_name="applier spark snapshot")
+    conn = connect(dsn, application_name="applier spark snapshot", autocommit=True)
     try:
+        history_locked = _lock_history(conn)
+        conn.autocommit = False
         conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
         conn.read_only = True
         row = conn.execute("SELECT pg_export_snapshot(), CASE WHEN pg_is_in_recovery() "
@@ -129,10 +143,22 @@ def open_snapshot(dsn: str, *, slot: str | None = None) -> Snapshot:
         if slot is not None and not positions:
             raise LookupError(f"no applier.progress row for slot {slot!r} in {database_label(dsn)}: "
                               "has the worker applied anything through it?")
-        return Snapshot(dsn, conn, ReadPosition(snapshot_id, wal_lsn, tuple(positions)))
+        return Snapshot(dsn, conn, ReadPosition(snapshot_id, wal_lsn, tuple(positions)),
+                        history_locked)
     except BaseException:
         conn.close()
         raise
+
+
+def _lock_history(conn: psycopg.Connection[Any]) -> bool:
+    """On a replica with a change feed, take the feed's shared lock for the session, before the
+    snapshot exists: retention then drops no history this snapshot may read (and none was dropped
+    after the snapshot was taken, which the snapshot's registry would not show). Closing the
+    snapshot's connection lets go of it."""
+    if conn.execute("SELECT to_regclass('applier.change_tables') IS NOT NULL").fetchone() != (True,):
+        return False
+    conn.execute("SELECT pg_advisory_lock_shared(%s, %s)", FEED_LOCK)
+    return True
 
 
 def database_label(dsn: str) -> str:

@@ -7,7 +7,8 @@ is created: ``applier.preflight``; bookkeeping schema, the single-worker lock, a
 on the command line), its sessions one after another (``session.ReplicationSession``), what
 happens between them (the error policy, ``applier.errors``, decides: a new session after a
 backoff, one at once, or a stop with advice), and its stop (SIGTERM or SIGINT end it between
-messages, exit 0). How the data path works is in docs/design.md.
+messages, exit 0). With the change feed, a background thread drops its old history
+(``retention``). How the data path works is in docs/design.md.
 
 Invariants (the tests kill the worker at random points to check them):
 
@@ -47,6 +48,7 @@ from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
 from ..progress.schema import make_engine, upgrade_schema
 from .loop import StopRequested
+from .retention import FeedRetention
 from .session import ReplicationSession, SessionState
 
 __all__ = ["Worker", "WorkerFailed", "run"]
@@ -99,6 +101,7 @@ class Worker:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         lock = self._lock = WorkerLock(self.settings.required("target"), self.slot)
+        retention: FeedRetention | None = None
         try:
             self.telemetry.start()
             engine = self._engine = make_engine(self.settings.required("target"))
@@ -112,6 +115,10 @@ class Worker:
                      mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
             if self.settings.skip_lsn is not None:
                 self._with_retry(self._request_skip)
+            if self.settings.change_feed:
+                retention = FeedRetention(self.settings.required("target"), self.slot,
+                                          self.settings.change_feed_retention)
+                retention.start()
             _tune_gc()
             self._with_retry(self._session)
             return ExitCode.OK
@@ -119,6 +126,8 @@ class Worker:
             log.info("stopped on signal")
             return ExitCode.OK
         finally:
+            if retention is not None:
+                retention.stop()
             if self._head_start is not None:
                 self._head_start.close()
             self.telemetry.close()

@@ -2,7 +2,8 @@
 
 Owns the order of a session's start (target session, source control connection, the slot and
 publications checked, the apply stage built on the recorded position, the stream opened there),
-the data path it wires (stream -> ingest gate -> assembler -> apply -> progress), and tearing all
+the data path it wires (stream -> ingest gate -> assembler -> apply -> progress; the change
+feed's tables registered before anything is applied), and tearing all
 of it down whatever happened, each step on its own. A failure leaves as it came (the worker's
 error policy decides what follows), except that one that stops the worker is described for the
 operator: the slot, the last source LSN received, and how to skip a failing transaction. Must
@@ -26,11 +27,15 @@ from ..apply.mapping import Reflector
 from ..apply.streaming import StreamingApply
 from ..apply.target import TargetSession
 from ..assembler import Assembler
-from ..config import ConfigError, Settings
+from ..config import ConfigError, Settings, parse_table_name
 from ..connections import connect
 from ..errors import ApplyError, Cause, SourceError
 from ..ingest.gate import IngestGate
 from ..preflight import check_source
+from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.feed import ChangeTable
+from ..progress.feed_registry import FeedRegistry
+from ..progress.records import TableName
 from ..protocol.lsn import LSN
 from ..protocol.messages import Relation
 from ..source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
@@ -101,7 +106,8 @@ class ReplicationSession:
             # Tables added to a publication (while stopped, or noticed last session) are copied
             # before anything else; their changes are then filtered by their sync LSN.
             publications = PublicationFollower(settings, self.slot, self.engine, control, self.stopping)
-            publications.start()
+            copied = publications.start()
+            feeds = self._change_feed(publications.published, copied)
             try:
                 options = options_for(settings, control.info.server_version, slot_two_phase,
                                       text_values=state.text_values)
@@ -114,7 +120,7 @@ class ReplicationSession:
                 loop.committed(end_lsn, target_lsn)
 
             applier = self._applier(target, options, reflector, on_commit,
-                                    lambda msg: publications.relation(msg.namespace, msg.name))
+                                    lambda msg: publications.relation(msg.namespace, msg.name), feeds)
             applied = applier.tx.applied
             stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
             self.stream = stream
@@ -191,9 +197,33 @@ class ReplicationSession:
         return TargetSession(self.settings.required("target"), application_name=name,
                              synchronous_commit=self.settings.synchronous_commit)
 
+    def _change_feed(self, published: set[TableName], copied: dict[TableName, LSN]
+                     ) -> dict[TableName, ChangeTable]:
+        """The change tables of the tables --change-feed records, registered (created, or
+        history started again) before anything is applied: from the position recorded now on,
+        or from a table's copy."""
+        names = self.settings.change_feed
+        if not names:
+            return {}
+        wanted = published if names == ["all"] else {parse_table_name(n, "change_feed") for n in names}
+        missing = sorted(wanted - published)
+        if missing:
+            raise ConfigError(f"change_feed: {', '.join(f'{s}.{t}' for s, t in missing)} not published "
+                              f"by {', '.join(self.settings.publication)}")
+        with self.engine.begin() as conn:
+            store = SqlBookkeeping(conn)
+            position = store.position(self.slot)
+            sync_lsns = {key: state.sync_lsn for key, state in store.table_states(self.slot).items()
+                         if state.sync_lsn is not None}
+            sync_lsns.update(copied)
+            return FeedRegistry(conn).register(self.slot, wanted,
+                                               position.commit_lsn if position else LSN(0), sync_lsns,
+                                               self.settings.change_feed_retention / 7)
+
     def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
                  on_commit: Callable[[LSN, LSN | None], None],
-                 on_relation: Callable[[Relation], None]) -> Applier:
+                 on_relation: Callable[[Relation], None],
+                 feeds: dict[TableName, ChangeTable]) -> Applier:
         settings, state = self.settings, self.state
         limits = BatchLimits(settings.batch_rows,
                              min(settings.batch_bytes, settings.memory_budget // 2),
@@ -206,7 +236,8 @@ class ReplicationSession:
             replication_origin=settings.replication_origin, skip_origins=settings.skip_origin,
             message_sink=settings.message_sink, message_prefixes=settings.message_prefix,
             conflict_policy=settings.conflict_policy,
-            follow_schema=settings.schema_changes == "follow")
+            follow_schema=settings.schema_changes == "follow",
+            feeds=feeds, feed_interval=settings.change_feed_retention / 7)
         try:
             return main_applier(target, apply_options, reflector, on_commit,
                                 careful_until=state.careful_until, warn=self.warn,

@@ -265,42 +265,77 @@ def _expected(target_db, lsn: str) -> dict:
             target_db.query("SELECT customer_id, count(*), sum(total) FROM orders GROUP BY 1")}
 
 
-def _advance(target_db, lsn: str) -> None:
-    target_db.execute("UPDATE applier.progress SET commit_lsn = %s, end_lsn = %s", (lsn, lsn))
+FEED_ROUNDS = [
+    # inserts (a new group), updates of the measure, rows moving between groups, deletes, a key
+    # that changes, and a group emptied
+    ["INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(2001, 2030) g",
+     "INSERT INTO orders VALUES (3001, 99, 1), (3002, NULL, 2)",
+     "UPDATE orders SET total = 0 WHERE id BETWEEN 1 AND 15",
+     "UPDATE orders SET customer_id = 21 WHERE id BETWEEN 16 AND 25",
+     "DELETE FROM orders WHERE id BETWEEN 26 AND 40",
+     "UPDATE orders SET id = id + 10000 WHERE id BETWEEN 41 AND 43"],
+    ["DELETE FROM orders WHERE customer_id = 7",
+     "UPDATE orders SET customer_id = NULL WHERE id = 50",
+     "UPDATE orders SET customer_id = 7 WHERE id = 51",
+     "INSERT INTO orders VALUES (3003, 99, 5)"],
+    [],  # nothing changed
+    ["TRUNCATE orders", "INSERT INTO orders SELECT g, g % 4, g FROM generate_series(1, 100) g"],
+]
 
 
-def test_pipeline_full_then_incremental_then_full_after_delete(spark, target_db, tmp_path) -> None:
-    target_db.execute("CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2), "
-                      "_source_lsn pg_lsn NOT NULL);"
-                      "INSERT INTO orders SELECT g, g % 20, g * 0.5, '0/100' FROM generate_series(1, 2000) g")
-    _record_position(target_db, lsn="0/1000")
+def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_round(
+        spark, source_db, target_db, tmp_path) -> None:
+    """The worker records orders in the change feed; each pipeline run after the first reads only
+    the changes since the previous one, and its result equals a full aggregate of the replica."""
+    from replication import create_slot, run_worker
+
+    from applier.spark.changes import read_changes
+
+    ddl = "CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2))"
+    source_db.execute(ddl)
+    target_db.execute(ddl)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
+    create_slot(source_db)
+    source_db.execute("INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(1, 2000) g")
+    run_worker(source_db, target_db, "--change-feed", "all")
     first = _pipeline(tmp_path, target_db)
-    assert (first["mode"], first["commit_lsn"], first["groups"]) == ("full", "0/1000", 20)
-    assert _result(spark, tmp_path) == _expected(target_db, "0/1000")
+    assert first["mode"] == "full (no previous result with a key index)"
+    assert _result(spark, tmp_path) == _expected(target_db, first["commit_lsn"])
+    previous = first
+    for n, statements in enumerate(FEED_ROUNDS):
+        before = {r[0]: r for r in target_db.query("SELECT id, customer_id, total FROM orders")}
+        for statement in statements:
+            source_db.execute(statement)
+        run_worker(source_db, target_db, "--change-feed", "all")
+        if n == 0:  # net=True against a recomputation from the rows before and after
+            after = {r[0]: r for r in target_db.query("SELECT id, customer_id, total FROM orders")}
+            with open_snapshot(target_db.dsn) as snap:
+                net = {r["id"]: r for r in read_changes(spark, "public.orders", snap,
+                                                          start_lsn=previous["commit_lsn"],
+                                                          net=True).collect()}
+            changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+            assert set(net) == changed
+            for key, row in net.items():
+                if row["change_op"] == "D":
+                    assert key not in after
+                else:
+                    assert (row["id"], row["customer_id"], row["total"]) == after[key]
+        state = _pipeline(tmp_path, target_db)
+        expected_mode = "full (the table was truncated)" if n == 3 else "incremental"
+        assert state["mode"] == expected_mode, (n, state)
+        assert _result(spark, tmp_path) == _expected(target_db, state["commit_lsn"]), n
+        assert not (tmp_path / previous["data"]).exists() or previous["data"] == state["data"]
+        previous = state
+    assert _pipeline(tmp_path, target_db, "--full")["mode"] == "full (--full)"
+    assert _result(spark, tmp_path) == _expected(target_db, previous["commit_lsn"])
 
-    # Rows written after 0/1000 carry a later LSN: only their groups are recomputed.
-    target_db.execute("INSERT INTO orders VALUES (5001, 3, 10, '0/2000'), (5002, 99, 1, '0/2000');"
-                      "UPDATE orders SET total = 0, _source_lsn = '0/2000' WHERE id = 7")
-    _advance(target_db, "0/2000")
-    second = _pipeline(tmp_path, target_db)
-    assert (second["mode"], second["groups"]) == ("incremental", 21)
-    assert _result(spark, tmp_path) == _expected(target_db, "0/2000")
-    assert not (tmp_path / first["data"]).exists()  # the previous result is gone once replaced
 
-    # A delete in an untouched group is invisible to the changed-rows read: counts catch it.
-    target_db.execute("DELETE FROM orders WHERE id = 11")
-    _advance(target_db, "0/3000")
-    third = _pipeline(tmp_path, target_db)
-    assert third["mode"] == "full (group counts did not add up)"
-    assert _result(spark, tmp_path) == _expected(target_db, "0/3000")
-
-
-def test_pipeline_without_lsn_column_recomputes(spark, target_db, tmp_path) -> None:
+def test_pipeline_of_a_table_the_feed_does_not_record_recomputes(spark, target_db, tmp_path) -> None:
     target_db.execute("CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2));"
                       "INSERT INTO orders SELECT g, g % 3, g FROM generate_series(1, 30) g")
     _record_position(target_db, lsn="0/10")
-    assert _pipeline(tmp_path, target_db)["mode"].startswith("full (the table has no")
+    _pipeline(tmp_path, target_db)
     target_db.execute("DELETE FROM orders WHERE customer_id = 0")
-    _advance(target_db, "0/20")
-    assert _pipeline(tmp_path, target_db)["mode"].startswith("full (the table has no")
+    target_db.execute("UPDATE applier.progress SET commit_lsn = '0/20', end_lsn = '0/20'")
+    assert _pipeline(tmp_path, target_db)["mode"].startswith("full (the change feed does not record")
     assert _result(spark, tmp_path) == _expected(target_db, "0/20")

@@ -42,6 +42,8 @@ class FakeTarget:
     def __init__(self, store: MemoryStore) -> None:
         self.store = store
         self.statements: list[str] = []
+        #: Every statement with the values it was sent with.
+        self.calls: list[tuple[str, list[bytes | None]]] = []
         self.transactions: list[list[str]] = []  # statements of each committed transaction
         self._open: list[str] | None = None
         self.prepared: dict[str, list[str]] = {}
@@ -116,6 +118,7 @@ class FakeTarget:
                     self._open.append(f"FAILED {text}")
                 raise error
         self.statements.append(text)
+        self.calls.append((text, list(values)))
         word = text.split(None, 1)[0].upper()
         if text == "BEGIN":
             assert self._open is None, "BEGIN inside a transaction"
@@ -153,7 +156,7 @@ class FakeTarget:
             return FakeResult(values=[(b"1",)] if gid_value in self.prepared else [])
         if "jsonb_build_object" in text or "'{}'::pg_catalog.jsonb" in text:
             return FakeResult(command_tuples=1, values=[self.described])
-        if word in ("INSERT", "UPDATE", "DELETE") and "applier." not in text:
+        if word in ("INSERT", "UPDATE", "DELETE", "WITH") and "applier." not in text:
             return FakeResult(command_tuples=self.rows(text, values))
         if word == "SELECT" and "LIMIT 1" in text:  # a conflict's probe for the row
             return FakeResult(values=[(b"1",)] if self.rows(text, values) else [])
@@ -272,9 +275,11 @@ class Rig:
 
 
 def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
-        tables: dict[str, TargetTable] | None = None, careful_until: LSN = LSN(0)) -> Rig:
+        tables: dict[str, TargetTable] | None = None, careful_until: LSN = LSN(0),
+        feeds: dict[tuple[str, str], Any] | None = None) -> Rig:
     """A fresh apply stage for slot "s". ``fast``: with the fast path (batches of 1,000 rows);
-    ``handlers(tx)``: the handlers to use (default: ``default_handlers``)."""
+    ``handlers(tx)``: the handlers to use (default: ``default_handlers``); ``feeds``: the change
+    tables of the tables the change feed records."""
     from applier.apply.dispatch import Applier
     from applier.apply.fastpath import BatchLimits
     from applier.apply.handlers import default_handlers
@@ -295,7 +300,11 @@ def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
     commits: list[LSN] = []
     tx = TargetTransaction(target, store, AppliedPosition(LSN(0), LSN(0)),  # type: ignore[arg-type]
                            lambda end_lsn, target_lsn: commits.append(end_lsn))
-    applier = Applier(tx, RelationCache(reflect), (handlers or default_handlers)(tx),
+    if feeds:
+        from applier.apply.feed import FeedWriter
+
+        tx.feed = FeedWriter(tx, feeds, 3600.0)
+    applier = Applier(tx, RelationCache(reflect, feeds=feeds), (handlers or default_handlers)(tx),
                       limits=BatchLimits(1000, 1 << 20, 3600.0) if fast else None,
                       careful_until=careful_until)
     return Rig(store, target, applier, commits)

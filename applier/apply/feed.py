@@ -1,0 +1,294 @@
+"""The change feed in the apply stage: each row change of a recorded table leaves a change row in
+the same target transaction (``--change-feed``).
+
+Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.feed``):
+
+* the *stamp* of the source transaction being applied (commit LSN, commit time and xid, as text
+  and as binary values) and the order of its changes (``change_seq``, counted as they are
+  dispatched). A transaction whose commit is not known yet (applied as it streams, or prepared
+  on the target) is stamped ``PENDING``; its rows are moved to the commit LSN in the target
+  transaction that records the commit (``fix_pending``, ``fix_prepared``);
+* the change table of each mapped table kept fit for the rows written to it (a column the
+  target gained is added, a widened type widened), in the open target transaction, as
+  ``schema.SchemaFollower`` does for the target table (and with its rules for sessions that must
+  not take such locks);
+* partitions: one is created in the open target transaction when a commit LSN passes the
+  newest (forgotten again if that transaction rolls back);
+* the careful path's statements wrapped so that one statement changes a row and records it
+  (``WITH ... RETURNING`` the whole new row, unchanged TOAST values included, or the whole old
+  one); the delete row of an update that moved a row to another key; truncate markers.
+
+The fast path builds its change rows itself (``feed_sql``). Must never decide what is applied
+or when a transaction begins or ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+
+from psycopg import sql
+
+from ..errors import ApplyError, Cause
+from ..progress import feed as layout
+from ..progress.feed import PENDING, ChangeTable, Partition
+from ..progress.records import TableName
+from ..protocol.lsn import LSN, to_pg_timestamp
+from ..protocol.messages import KIND_UNCHANGED, TupleData
+from .mapping import RelationMapping
+from .schema import DDL_REFUSED, DDL_SEPARATELY
+from .statements import Statement, named, placeholder
+from .transaction import TargetTransaction
+
+__all__ = ["META", "FeedWriter", "Meta", "Stamp", "binary_meta", "moved_key", "text_meta"]
+
+log = logging.getLogger(__name__)
+
+#: Statement parameter source: the change's meta values (``Statement.params``, beside NEW/OLD).
+META = 2
+
+
+class Stamp:
+    """A source transaction's meta values, encoded once for every change row it writes."""
+
+    __slots__ = ("commit_lsn", "commit_time", "xid", "pending", "text", "binary", "seq")
+
+    def __init__(self, commit_lsn: LSN, commit_time: datetime | None, xid: int, pending: bool) -> None:
+        if pending:
+            commit_lsn, commit_time = PENDING, None
+        self.commit_lsn = commit_lsn
+        self.commit_time = commit_time
+        self.xid = xid
+        self.pending = pending
+        self.text = (str(commit_lsn).encode(),
+                     None if commit_time is None else commit_time.isoformat().encode(),
+                     str(xid).encode())
+        self.binary = (int(commit_lsn).to_bytes(8, "big"),
+                       None if commit_time is None
+                       else to_pg_timestamp(commit_time).to_bytes(8, "big", signed=True),
+                       xid.to_bytes(8, "big", signed=True))
+        self.seq = 0
+
+
+#: One change's meta: its transaction's stamp and its order in it.
+Meta = tuple[Stamp, int]
+
+
+def text_meta(meta: Meta) -> list[bytes | None]:
+    """Commit LSN, time, xid and order as text parameters (the op is a literal)."""
+    stamp, seq = meta
+    return [*stamp.text, str(seq).encode()]
+
+
+def moved_key(mapping: RelationMapping, new: TupleData, old: TupleData | None) -> tuple[int, ...] | None:
+    """An update that moved its row to another key: the positions of the old row to record as
+    the delete of that key (key columns; the whole sent row under REPLICA IDENTITY FULL), else
+    None. Under FULL identity the key is the target's unique key (none: nothing to record)."""
+    if old is None:
+        return None
+    if mapping.full_identity:
+        names = [c.name for c in mapping.target_columns]
+        if not mapping.table.unique_key or not set(mapping.table.unique_key) <= set(names):
+            return None
+        keys: Sequence[int] = [names.index(name) for name in mapping.table.unique_key]
+        recorded = tuple(i for i, kind in enumerate(old.kinds) if kind != KIND_UNCHANGED)
+    else:
+        keys = recorded = mapping.key_positions
+    if all(old.values[i] == new.values[i] and old.kinds[i] == new.kinds[i] for i in keys):
+        return None
+    return recorded
+
+
+class FeedWriter:
+    def __init__(self, tx: TargetTransaction, tables: dict[TableName, ChangeTable],
+                 interval: float) -> None:
+        self.tx = tx
+        self.tables = tables
+        #: Seconds of WAL a new partition is sized for (a seventh of the retention).
+        self.interval = interval
+        self._stamp: Stamp | None = None
+        self._for: object = None            # the TransactionStart the stamp belongs to
+        self._deferred: object = None       # a transaction stamped PENDING (prepared on the target)
+        self._pending_written: set[ChangeTable] = set()
+        #: Changes of the open target transaction to undo if it rolls back.
+        self._undo: list[Callable[[], None]] = []
+        self._wrapped: dict[tuple[bytes, str], Statement] = {}
+        tx.on_end.append(self._ended)
+
+    def table_for(self, schema: str, name: str) -> ChangeTable | None:
+        return self.tables.get((schema, name))
+
+    # -- stamps -------------------------------------------------------------------------------
+    def stamp(self) -> Stamp:
+        current = self.tx.current
+        if self._for is not current or self._stamp is None:
+            assert current is not None, "a change outside a source transaction"
+            pending = current.commit_lsn == PENDING or self._deferred is current
+            self._stamp = Stamp(current.commit_lsn, current.commit_time, current.xid, pending)
+            self._for = current
+            self._pending_written.clear()
+        return self._stamp
+
+    def defer(self) -> None:
+        """The transaction being applied is prepared on the target: its commit comes later."""
+        self._deferred = self.tx.current
+        self._stamp = None
+
+    def meta(self, change_table: ChangeTable) -> Meta:
+        """The next change's meta in ``change_table`` (its partition exists once this returns)."""
+        stamp = self.stamp()
+        stamp.seq += 1
+        if stamp.pending:
+            self._pending_written.add(change_table)
+        elif stamp.commit_lsn >= change_table.newest.to_lsn:
+            self._partition(change_table, stamp.commit_lsn)
+        return stamp, stamp.seq
+
+    # -- the careful path ---------------------------------------------------------------------------
+    def wrap(self, statement: Statement, mapping: RelationMapping, op: str) -> Statement:
+        """``statement`` (an INSERT, UPDATE or DELETE of one row) recording a change row for the
+        row it changes; its last four parameters are the change's meta (``META``)."""
+        key = (statement.name, op)
+        wrapped = self._wrapped.get(key)
+        if wrapped is None:
+            change_table = mapping.feed
+            assert change_table is not None
+            columns = [c.name for c in mapping.target_columns]
+            meta = layout.meta_placeholders(len(statement.params) + 1)
+            text = layout.wrap_sql(change_table, sql.SQL("{}{}").format(
+                sql.SQL(statement.sql), layout.returning(meta, columns)), columns, op)
+            params = statement.params + tuple((META, i) for i in range(4))
+            wrapped = self._wrapped[key] = named(text, params, statement.conflict_key, "applier_feed")
+        return wrapped
+
+    def moved(self, mapping: RelationMapping, old: TupleData, positions: tuple[int, ...],
+              meta: Meta) -> None:
+        """Record the delete of the old key of an update that moved its row."""
+        statement = self.moved_statement(mapping, positions)
+        self.tx.execute_row(statement, None, old, mapping, text_meta(meta))
+
+    def moved_statement(self, mapping: RelationMapping, positions: tuple[int, ...]) -> Statement:
+        key = (b"moved:%d:" % mapping.relation.relation_id + repr(positions).encode(), "D")
+        statement = self._wrapped.get(key)
+        if statement is None:
+            change_table = mapping.feed
+            assert change_table is not None
+            values = [*layout.meta_placeholders(1), sql.Literal("D"),
+                      *(placeholder(mapping, i, n) for n, i in enumerate(positions, 5))]
+            text = sql.SQL("{} VALUES ({})").format(
+                layout.insert_prefix(change_table, [mapping.target_columns[i].name for i in positions]),
+                sql.SQL(", ").join(values)).as_string()
+            params = tuple((META, i) for i in range(4)) + tuple((1, i) for i in positions)
+            statement = self._wrapped[key] = named(text, params, (), "applier_feed")
+        return statement
+
+    def truncated(self, mappings: Sequence[RelationMapping]) -> list[str]:
+        """A marker row for each recorded table a TRUNCATE emptied."""
+        markers = []
+        for mapping in mappings:
+            change_table = mapping.feed
+            if change_table is not None:
+                stamp, seq = self.meta(change_table)
+                markers.append(layout.marker_sql(change_table, stamp.commit_lsn, stamp.commit_time,
+                                                 stamp.xid, seq))
+        return markers
+
+    # -- commits ----------------------------------------------------------------------------------
+    def fix_pending(self, commit_lsn: LSN, commit_time: datetime) -> list[str]:
+        """The statements that move the rows the transaction being applied wrote with a PENDING
+        stamp to its commit LSN (a transaction applied as it streams, at its Stream Commit)."""
+        stamp = self._stamp
+        if stamp is None or not stamp.pending or not self._pending_written or self._for is not self.tx.current:
+            return []
+        fixes = []
+        for change_table in sorted(self._pending_written, key=lambda t: t.id):
+            if commit_lsn >= change_table.newest.to_lsn:
+                self._partition(change_table, commit_lsn)
+            fixes.append(layout.fix_pending_sql(change_table, stamp.xid, commit_lsn, commit_time))
+        self._pending_written.clear()
+        return fixes
+
+    def fix_prepared(self, xid: int, commit_lsn: LSN, commit_time: datetime) -> None:
+        """COMMIT PREPARED of a transaction prepared on the target: its rows, pending since its
+        prepare, move to the commit LSN (in the open target transaction recording the commit)."""
+        for change_table in self.tables.values():
+            found = self.tx.sql(sql.SQL("SELECT 1 FROM {} WHERE {} = {}::pg_catalog.pg_lsn AND {} = {} "
+                                        "LIMIT 1").format(
+                change_table.ident, sql.Identifier(layout.META_COLUMNS[0]), sql.Literal(str(PENDING)),
+                sql.Identifier(layout.META_COLUMNS[2]), sql.Literal(xid)).as_string())
+            if found.ntuples:
+                if commit_lsn >= change_table.newest.to_lsn:
+                    self._partition(change_table, commit_lsn)
+                self.tx.sql(layout.fix_pending_sql(change_table, xid, commit_lsn, commit_time))
+
+    # -- the change table's shape -----------------------------------------------------------------
+    def align(self, mapping: RelationMapping) -> None:
+        """Make the change table take every column of ``mapping`` with its target type."""
+        change_table = mapping.feed
+        assert change_table is not None
+        changes: list[tuple[str, str, sql.Composable]] = []
+        for column in mapping.target_columns:
+            have = change_table.columns.get(column.name)
+            if have is None:
+                changes.append((column.name, column.type_sql,
+                                layout.add_column_sql(change_table, column.name, column.type_sql)))
+            elif have != column.type_sql:
+                changes.append((column.name, column.type_sql,
+                                layout.alter_type_sql(change_table, column.name, column.type_sql)))
+        if not changes:
+            return
+        tx = self.tx
+        mode = tx.schema_changes
+        if mode == DDL_REFUSED:
+            raise ApplyError(f"change table of {mapping.table.sql_name} needs a schema change, "
+                             "which this session does not make", cause=Cause.SEND_AGAIN)
+        if mode == DDL_SEPARATELY:
+            tx.rollback()
+            tx.begin()
+        before = dict(change_table.columns)
+        for name, type_sql, statement in changes:
+            tx.sql(statement.as_string())
+            change_table.columns[name] = type_sql
+            log.info("change feed: %s", statement.as_string())
+        self._undo.append(lambda: _restore(change_table.columns, before))
+        if mode == DDL_SEPARATELY:
+            tx.commit_alone()
+            raise ApplyError(f"change table of {mapping.table.sql_name} needed a schema change, "
+                             "made on its own before the prepared transaction that needs it; the "
+                             "source sends that transaction again", cause=Cause.SEND_AGAIN)
+
+    def _partition(self, change_table: ChangeTable, lsn: LSN) -> None:
+        """Create the partition for ``lsn`` in the open target transaction."""
+        part = layout.next_partition(change_table, lsn, datetime.now(UTC), self.interval)
+        for statement in layout.partition_sql(change_table, part.name, part.from_lsn, part.to_lsn):
+            self.tx.sql(statement.as_string())
+        self.tx.sql(layout.partition_row_sql(change_table, part))
+        newest, count = change_table.newest, change_table.partitions
+        change_table.newest, change_table.partitions = part, count + 1
+        self._undo.append(lambda: _put_back(change_table, newest, count))
+        log.info("change feed of %s: partition %s for commit LSNs [%s, %s)", change_table.display,
+                 part.name, part.from_lsn, part.to_lsn)
+
+    def _ended(self, committed: bool) -> None:
+        undo, self._undo = self._undo, []
+        if not committed:
+            for step in reversed(undo):
+                step()
+            self._stamp = None
+            self._pending_written.clear()
+
+
+def _restore(columns: dict[str, str], before: dict[str, str]) -> None:
+    columns.clear()
+    columns.update(before)
+
+
+def _put_back(change_table: ChangeTable, newest: Partition, count: int) -> None:
+    change_table.newest, change_table.partitions = newest, count
+
+
+def binary_meta(meta: Meta) -> tuple[bytes | None, ...]:
+    """Commit LSN, time, xid and order in their binary send formats (COPY binary)."""
+    stamp, seq = meta
+    return (*stamp.binary, seq.to_bytes(8, "big", signed=True))

@@ -1,0 +1,190 @@
+"""The change feed read from Spark: exactly the changes committed in an LSN range, consistent with
+``read_table`` in the same snapshot.
+
+Usage::
+
+    with open_snapshot(replica_dsn) as snap:
+        changes = read_changes(spark, "public.orders", snap, start_lsn=last_run_lsn)
+        latest = read_changes(spark, "public.orders", snap, start_lsn=last_run_lsn, net=True)
+        ...  # every action inside the block, as with read_table
+    next_start = snap.position.positions[0].commit_lsn   # what this round covered
+
+Owns: checking a range against the history the feed retains (a ``start_lsn`` older than it
+fails with a message saying what is retained, never a silently partial answer; an ``end_lsn``
+past what the replica had applied in the snapshot fails too), reading the change table over
+JDBC in LSN-range partitions with ``read_table``'s type mapping, and the net form (one row per
+key: its last change in the range, with a truncate marker when the table was truncated). Must
+never write to the replica.
+
+Columns: ``change_op`` ('I' insert, 'U' update: the whole new row; 'D' delete: at least the key,
+the whole old row where the target returned it, and the old key of an update that moved a row
+to another key; 'T' truncate: meta only), ``change_commit_lsn`` (text, as PostgreSQL prints it),
+``change_position`` (the commit LSN as decimal(20,0), for ordering), ``change_commit_time``,
+``change_xid``, ``change_seq`` (the change's order in its transaction), then the table's
+columns. Order by ``change_position, change_seq`` to replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..progress.feed import SCHEMA
+from ..progress.feed_registry import FeedRegistry, RetainedHistory
+from ..protocol.lsn import LSN
+from ..quoting import qualified
+from .columns import TableInfo, describe_table, probe_columns, select_expression
+from .reader import DEFAULT_FETCHSIZE, jdbc_options, spark_column, with_position
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from .snapshot import Snapshot
+
+__all__ = ["ChangeRange", "HistoryNotRetained", "change_range", "read_changes"]
+
+META_OUT = ("change_op", "change_commit_lsn", "change_position", "change_commit_time", "change_xid",
+            "change_seq")
+_META = frozenset({"change_commit_lsn", "change_commit_time", "change_xid", "change_seq", "change_op"})
+
+
+class HistoryNotRetained(LookupError):
+    """The range asked for is not (or no longer) all in the change feed."""
+
+
+@dataclass(frozen=True)
+class ChangeRange:
+    """What one read covers: the changes committed after ``start`` up to ``end``, from
+    ``change_table`` (a table of schema applier_changes), as the snapshot's ``slot`` applied them."""
+
+    table: TableInfo
+    slot: str
+    change_table: str
+    start: LSN
+    end: LSN
+
+    @property
+    def qualified(self) -> str:
+        return qualified(SCHEMA, self.change_table)
+
+
+def _lsn(value: str | int | LSN) -> LSN:
+    return value if isinstance(value, LSN) else LSN(value) if isinstance(value, int) else LSN.parse(value)
+
+
+def change_range(snapshot: Snapshot, table: str, start_lsn: str | int | LSN,
+                 end_lsn: str | int | LSN | None = None) -> ChangeRange:
+    """Check ``(start_lsn, end_lsn]`` against what the feed retains in ``snapshot``."""
+    info = describe_table(snapshot, table)
+    slots = {p.slot_name: p for p in snapshot.position.positions}
+    found: list[RetainedHistory] = FeedRegistry(snapshot.connection).history(info.schema, info.name, slots)
+    if not found:
+        raise HistoryNotRetained(f"the change feed does not record {info.display} on this replica "
+                                 "(start the worker with --change-feed naming it, or all)")
+    if len(found) > 1:
+        raise HistoryNotRetained(f"{info.display} is recorded for several slots "
+                                 f"({', '.join(h.slot for h in found)}): open the snapshot with slot=")
+    history = found[0]
+    if not snapshot.history_locked:
+        raise HistoryNotRetained("this snapshot was opened before the change feed existed, so its "
+                                 "history is not held for it: open a new snapshot")
+    applied = LSN.parse(slots[history.slot].commit_lsn)
+    start = _lsn(start_lsn)
+    end = applied if end_lsn is None else _lsn(end_lsn)
+    if history.stopped_lsn is not None and end > history.stopped_lsn:
+        if end_lsn is None:
+            end = history.stopped_lsn
+        else:
+            raise HistoryNotRetained(f"the change feed of {info.display} stopped at "
+                                     f"{history.stopped_lsn}: changes after it were not recorded")
+    if start < history.retained_after:
+        raise HistoryNotRetained(
+            f"changes of {info.display} committed after {start} are not all retained: the change "
+            f"feed holds those committed after {history.retained_after} (up to {end}); read the "
+            f"table again in full (read_table) and go on from its position")
+    if end > applied:
+        raise HistoryNotRetained(f"end_lsn {end} is past what the replica had applied in this "
+                                 f"snapshot ({applied})")
+    return ChangeRange(info, history.slot, history.change_table, start, max(start, end))
+
+
+def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
+                 start_lsn: str | int | LSN, end_lsn: str | int | LSN | None = None,
+                 net: bool = False, num_partitions: int | None = None,
+                 fetchsize: int = DEFAULT_FETCHSIZE, probe: bool = False,
+                 text_columns: Any = ()) -> DataFrame:
+    """The changes of ``table`` committed after ``start_lsn`` and up to ``end_lsn`` (default: the
+    position the replica had applied in ``snapshot``), as ``snapshot`` sees them. ``net``: one row
+    per key, its last change (a final row, or a delete marker), and the last truncate's marker
+    if the range holds one (the rows before it are gone). Raises ``HistoryNotRetained`` when the
+    feed does not hold the whole range."""
+    if fetchsize <= 0:
+        raise ValueError("fetchsize must be positive: 0 makes pgjdbc buffer whole partitions in memory")
+    span = change_range(snapshot, table, start_lsn, end_lsn)
+    if net and not span.table.key:
+        raise ValueError(f"net=True needs a key: {span.table.display} has no primary key or "
+                         "replica identity index")
+    recorded = describe_table(snapshot, f"{span.qualified}")
+    columns = [c for c in recorded.columns if c.name not in _META]
+    as_text = {c.name for c in columns} if text_columns == "*" else set(text_columns)
+    probed = probe_columns(snapshot, recorded, [c for c in columns if c.name not in as_text]) \
+        if probe else None
+    expressions = ["change_op::text AS change_op", "change_commit_lsn::text AS change_commit_lsn",
+                   "(change_commit_lsn - '0/0'::pg_lsn)::numeric(20, 0) AS change_position",
+                   "change_commit_time", "change_xid", "change_seq"]
+    expressions += [f"{select_expression(c, c.name in as_text, probed)} AS {c.quoted}" for c in columns]
+    where = (f"change_commit_lsn > {snapshot.literal(str(span.start))}::pg_lsn "
+             f"AND change_commit_lsn <= {snapshot.literal(str(span.end))}::pg_lsn")
+    last_truncate = _last_truncate(snapshot, span, where) if net else None
+    if last_truncate is not None:
+        lsn, seq = last_truncate
+        after = (f"(change_commit_lsn > {snapshot.literal(lsn)}::pg_lsn OR (change_commit_lsn = "
+                 f"{snapshot.literal(lsn)}::pg_lsn AND change_seq >= {int(seq)}))")
+        where = f"{where} AND {after}"
+    url, properties = jdbc_options(snapshot.dsn)
+    properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
+                   "preferTimestampNTZ": "true"}
+    count = num_partitions or spark.sparkContext.defaultParallelism
+    # One read per range of commit LSNs, each with its range inside its own query: PostgreSQL
+    # then reads only the partitions (and BRIN ranges) it covers, which a predicate Spark adds
+    # around a subquery's computed column would not let it do.
+    frames = [spark.read.jdbc(url, f"(SELECT {', '.join(expressions)} FROM {span.qualified} "
+                                   f"WHERE {where} AND {part}) applier_changes",
+                              properties=properties)
+              for part in _lsn_ranges(snapshot, span.start, span.end, count)]
+    frame = frames[0]
+    for more in frames[1:]:
+        frame = frame.union(more)
+    if net:
+        frame = _net(frame, span.table.key)
+    return with_position(frame, snapshot.position, False, [])
+
+
+def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[str]:
+    """Conditions splitting ``(start, end]`` into ``count`` ranges of commit LSNs (of equal WAL
+    length: changes are spread over it as the source wrote them)."""
+    count = max(1, min(count, int(end) - int(start)))
+    cuts = [LSN(int(start) + (int(end) - int(start)) * i // count) for i in range(count + 1)]
+    return [f"change_commit_lsn > {snapshot.literal(str(lo))}::pg_lsn AND "
+            f"change_commit_lsn <= {snapshot.literal(str(hi))}::pg_lsn"
+            for lo, hi in zip(cuts, cuts[1:])]
+
+
+def _last_truncate(snapshot: Snapshot, span: ChangeRange, where: str) -> tuple[str, int] | None:
+    found = snapshot.query(f"SELECT change_commit_lsn::text, change_seq FROM {span.qualified} "
+                           f"WHERE {where} AND change_op = 'T' "
+                           "ORDER BY change_commit_lsn DESC, change_seq DESC LIMIT 1")
+    return (found[0][0], int(found[0][1])) if found else None
+
+
+def _net(frame: DataFrame, key: tuple[str, ...]) -> DataFrame:
+    """The last change of each key (and the truncate marker, which the read starts at)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    order = Window.partitionBy(*[F.col(spark_column(k)) for k in key]).orderBy(
+        F.col("change_position").desc(), F.col("change_seq").desc())
+    rows = frame.where(F.col("change_op") != "T").withColumn("_applier_last", F.row_number().over(order))
+    last = rows.where(F.col("_applier_last") == 1).drop("_applier_last")
+    return last.unionByName(frame.where(F.col("change_op") == "T"))
+

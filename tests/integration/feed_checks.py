@@ -1,0 +1,70 @@
+"""Checks of the change feed shared by its integration tests: every change row exactly once and
+with its data, and the recorded history replayed gives the target table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from replication import rows, source_columns
+
+PENDING = "FFFFFFFF/FFFFFFFF"
+
+
+def change_table(table: str, schema: str = "public") -> str:
+    return f'applier_changes."{schema}.{table}"'
+
+
+def changes(target_db, table: str, columns: Sequence[str] = ()) -> list[tuple]:
+    """(commit LSN, commit time, xid, seq, op, *columns as text) in replay order."""
+    cols = "".join(f", {c}::text" for c in columns)
+    return target_db.query(
+        f"SELECT change_commit_lsn::text, change_commit_time, change_xid, change_seq, "
+        f"change_op::text{cols} FROM {change_table(table)} ORDER BY change_commit_lsn, change_seq")
+
+
+def replay(target_db, table: str, columns: Sequence[str], key: Sequence[str]) -> list[tuple]:
+    """The table as its change rows rebuild it from empty (its history starts with the table)."""
+    state: dict[tuple, tuple] = {}
+    positions = [columns.index(k) for k in key]
+    for row in changes(target_db, table, columns):
+        op, values = row[4], row[5:]
+        if op == "T":
+            state.clear()
+            continue
+        k = tuple(values[i] for i in positions)
+        if op == "D":
+            state.pop(k, None)
+        else:
+            state[k] = tuple(values)
+    return sorted(state.values(), key=repr)
+
+
+def check_feed(source_db, target_db, table: str, key: Sequence[str] = ("id",)) -> list[tuple]:
+    """Every change row once, none pending, none past the applied position, one commit LSN and
+    time per source transaction, and the replay equal to the target table. Returns the rows."""
+    columns = source_columns(source_db, table)
+    found = changes(target_db, table, columns)
+    seen = [(lsn, seq) for lsn, _, _, seq, *_ in found]
+    assert len(seen) == len(set(seen)), f"{table}: a change row twice"
+    assert all(lsn != PENDING for lsn, *_ in found), f"{table}: rows left pending"
+    applied = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0][0]
+    if found:
+        assert target_db.query("SELECT max(change_commit_lsn) <= %s::pg_lsn FROM "
+                               f"{change_table(table)}", (applied,)) == [(True,)]
+    per_xid: dict[int, set] = {}
+    for lsn, time, xid, *_ in found:
+        per_xid.setdefault(xid, set()).add((lsn, time))
+    assert all(len(v) == 1 for v in per_xid.values()), f"{table}: a transaction with several stamps"
+    by_lsn = {next(iter(v))[0] for v in per_xid.values()}
+    assert len(by_lsn) == len(per_xid), f"{table}: two transactions with one commit LSN"
+    if key:
+        assert replay(target_db, table, columns, key) == rows(target_db, table, columns), \
+            f"{table}: the recorded changes do not rebuild the table"
+    return found
+
+
+def ops(found: list[tuple]) -> dict[str, int]:
+    counted: dict[str, int] = {}
+    for row in found:
+        counted[row[4]] = counted.get(row[4], 0) + 1
+    return counted

@@ -1,0 +1,321 @@
+"""The change feed (--change-feed): a change row for every row change applied, in the same target
+transaction, on every path (fast, careful, streamed, prepared), exactly once under SIGKILL, and
+retention that never drops what a reader's snapshot may read."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from feed_checks import PENDING, change_table, changes, check_feed, ops
+from replication import (
+    assert_same_rows,
+    create_slot,
+    prepare_on_source,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
+)
+
+pytestmark = pytest.mark.server
+
+SCHEMA = """
+CREATE TABLE pk_t (id int PRIMARY KEY, name text, qty int);
+CREATE TABLE idx_t (k1 int NOT NULL, k2 text NOT NULL, v text);
+CREATE UNIQUE INDEX idx_t_k ON idx_t (k1, k2);
+ALTER TABLE idx_t REPLICA IDENTITY USING INDEX idx_t_k;
+CREATE TABLE full_t (a int, b text);
+ALTER TABLE full_t REPLICA IDENTITY FULL;
+CREATE TABLE nothing_t (v text);
+ALTER TABLE nothing_t REPLICA IDENTITY NOTHING;
+CREATE TABLE toast_t (id int PRIMARY KEY, big text, small int);
+ALTER TABLE toast_t ALTER COLUMN big SET STORAGE EXTERNAL;
+"""
+WORKLOAD = [
+    "INSERT INTO pk_t SELECT g, 'n' || g, g FROM generate_series(1, 300) g",   # a COPY
+    "INSERT INTO pk_t SELECT g, 'n' || g, g FROM generate_series(301, 310) g",  # multi-row
+    "UPDATE pk_t SET qty = qty + 1 WHERE id <= 10",
+    "UPDATE pk_t SET qty = qty + 1 WHERE id <= 5",                               # same rows again
+    "UPDATE pk_t SET id = id + 1000 WHERE id BETWEEN 11 AND 13",                 # moved keys
+    "DELETE FROM pk_t WHERE id BETWEEN 20 AND 25",
+    "INSERT INTO idx_t SELECT g, 'k' || g, 'v' FROM generate_series(1, 10) g",
+    "UPDATE idx_t SET v = 'updated' WHERE k1 = 1",
+    "UPDATE idx_t SET k2 = 'moved' WHERE k1 = 2",
+    "DELETE FROM idx_t WHERE k1 = 3",
+    "INSERT INTO full_t VALUES (1, 'dup'), (1, 'dup'), (2, 'x'), (3, NULL)",
+    "UPDATE full_t SET b = 'changed' WHERE ctid = (SELECT ctid FROM full_t WHERE a = 1 LIMIT 1)",
+    "DELETE FROM full_t WHERE a = 3",
+    "INSERT INTO nothing_t VALUES ('a'), ('b')",
+    # 96 kB stored out of line; the update leaves it unchanged (pgoutput sends 'u' for it).
+    "INSERT INTO toast_t SELECT 1, string_agg(md5(g::text), ''), 1 FROM generate_series(1, 3000) g",
+    "UPDATE toast_t SET small = 2 WHERE id = 1",
+    "DELETE FROM toast_t WHERE id = 1",
+    "INSERT INTO toast_t VALUES (2, 'short', 0)",
+    "TRUNCATE idx_t",
+    "INSERT INTO idx_t VALUES (7, 'after', 'truncate')",
+]
+TABLES = ["pk_t", "idx_t", "full_t", "nothing_t", "toast_t"]
+KEYS = {"pk_t": ("id",), "idx_t": ("k1", "k2"), "toast_t": ("id",), "full_t": (), "nothing_t": ()}
+
+
+def _setup(source_db, target_db, two_phase: bool = False) -> None:
+    source_db.execute(SCHEMA)
+    target_db.execute(SCHEMA)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE pk_t, idx_t, full_t, toast_t")
+    source_db.execute("CREATE PUBLICATION pub_ins FOR TABLE nothing_t WITH (publish = 'insert')")
+    create_slot(source_db, two_phase=two_phase)
+
+
+def _check_all(source_db, target_db) -> dict[str, list[tuple]]:
+    assert_same_rows(source_db, target_db, *TABLES)
+    return {t: check_feed(source_db, target_db, t, KEYS[t]) for t in TABLES}
+
+
+@pytest.mark.parametrize("path", ["fast", "careful"])
+def test_every_row_shape_on_the_fast_and_the_careful_path(source_db, target_db, path: str) -> None:
+    """The careful path: a conflict in the last transaction sends the whole batch back to be
+    redone row by row, so every change row there comes from the careful path's statements."""
+    _setup(source_db, target_db)
+    for statement in WORKLOAD:
+        source_db.execute(statement)
+    extra: tuple[str, ...] = ()
+    if path == "careful":
+        target_db.execute("INSERT INTO pk_t VALUES (5000, 'target', 0)")
+        source_db.execute("INSERT INTO pk_t VALUES (5000, 'source', 1)")  # insert_exists
+        extra = ("--batch-time", "60000", "--streaming", "off")
+    proc = run_worker(source_db, target_db, "--change-feed", "all", *extra, publication="pub,pub_ins")
+    if path == "careful":
+        assert "row by row" in proc.stderr
+    found = _check_all(source_db, target_db)
+    inserts = 310 + (1 if path == "careful" else 0)
+    # Moved keys are recorded as the delete of the old key, then the update.
+    assert ops(found["pk_t"]) == {"I": inserts, "U": 10 + 5 + 3, "D": 3 + 6}
+    assert ops(found["idx_t"]) == {"I": 11, "U": 2, "D": 1 + 1, "T": 1}
+    assert ops(found["full_t"]) == {"I": 4, "U": 1, "D": 1}
+    assert ops(found["nothing_t"]) == {"I": 2}
+    # The update left the TOAST value unchanged: its change row still has the whole value, and
+    # so has the delete's (the whole old row).
+    toast = changes(target_db, "toast_t", ["id", "length(big)", "small"])
+    assert [(r[4], r[5:]) for r in toast] == [("I", ("1", "96000", "1")), ("U", ("1", "96000", "2")),
+                                             ("D", ("1", "96000", "2")), ("I", ("2", "5", "0"))]
+    moved = [r for r in changes(target_db, "pk_t", ["id", "name"]) if r[5] in ("11", "1011")]
+    assert [(r[4], r[5], r[6]) for r in moved] == [("I", "11", "n11"), ("D", "11", None),
+                                                   ("U", "1011", "n11")]
+    # One transaction's rows share its stamp; its changes are numbered in order.
+    updates = [r for r in found["pk_t"] if r[4] == "U"][:10]
+    assert len({r[:3] for r in updates}) == 1 and [r[3] for r in updates] == list(range(1, 11))
+    if path == "careful":
+        conflicted = changes(target_db, "pk_t", ["id", "name"])[-1]
+        assert conflicted[4:] == ("I", "5000", "source")
+
+
+def test_commit_lsn_is_the_source_commit_and_history_starts_with_the_feed(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO pk_t VALUES (1, 'before', 0)")
+    run_worker(source_db, target_db, publication="pub,pub_ins")  # no feed yet
+    for n, statement in enumerate(["INSERT INTO pk_t VALUES (2, 'a', 0)",
+                                   "UPDATE pk_t SET qty = 7 WHERE id = 1",
+                                   "DELETE FROM pk_t WHERE id = 2"]):
+        source_db.execute(statement)
+        run_worker(source_db, target_db, "--change-feed", "public.pk_t", publication="pub,pub_ins")
+        applied = target_db.query("SELECT commit_lsn::text, commit_time FROM applier.progress")[0]
+        last = changes(target_db, "pk_t")[-1]
+        assert (last[0], last[1]) == applied
+    registry = target_db.query("SELECT created_lsn < retained_after OR created_lsn = retained_after, "
+                               "stopped_lsn FROM applier.change_tables")
+    assert registry == [(True, None)]
+    assert [r[4] for r in changes(target_db, "pk_t")] == ["I", "U", "D"]
+    # Switched off, then on again: the gap cannot be recorded, so history starts again.
+    source_db.execute("INSERT INTO pk_t VALUES (3, 'unrecorded', 0)")
+    run_worker(source_db, target_db, "--change-feed", "public.toast_t", publication="pub,pub_ins")
+    assert target_db.query("SELECT stopped_lsn IS NOT NULL FROM applier.change_tables "
+                           "WHERE table_name = 'pk_t'") == [(True,)]
+    source_db.execute("INSERT INTO pk_t VALUES (4, 'again', 0)")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    assert [r[4:] for r in changes(target_db, "pk_t", ["id"])] == [("I", "4")]
+
+
+def test_schema_changes_reach_the_change_table(source_db, target_db) -> None:
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO pk_t VALUES (1, 'a', 1)")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    source_db.execute("ALTER TABLE pk_t ADD COLUMN note text, ALTER COLUMN qty TYPE bigint")
+    source_db.execute("INSERT INTO pk_t VALUES (2, 'b', 5000000000, 'new column')")
+    source_db.execute("UPDATE pk_t SET note = 'set' WHERE id = 1")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    types = dict(target_db.query(
+        "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute WHERE attrelid = "
+        "'applier_changes.\"public.pk_t\"'::regclass AND attnum > 0 AND NOT attisdropped"))
+    assert types["note"] == "text" and types["qty"] == "bigint"
+    found = check_feed(source_db, target_db, "pk_t")
+    assert [r[4:] for r in changes(target_db, "pk_t", ["id", "qty", "note"])] == [
+        ("I", "1", "1", None), ("I", "2", "5000000000", "new column"), ("U", "1", "1", "set")]
+    assert ops(found) == {"I": 2, "U": 1}
+
+
+@pytest.mark.parametrize("streamed_apply", ["early", "commit"])
+def test_streamed_transactions_with_aborted_subtransactions(source_db, target_db,
+                                                            streamed_apply: str) -> None:
+    _setup(source_db, target_db)
+    with source_db.connect() as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO pk_t SELECT g, repeat('x', 200), g FROM generate_series(1, 2000) g")
+        conn.execute("SAVEPOINT s1")
+        conn.execute("UPDATE pk_t SET qty = -1 WHERE id <= 1000")
+        conn.execute("ROLLBACK TO SAVEPOINT s1")
+        conn.execute("UPDATE pk_t SET qty = qty * 10 WHERE id <= 500")
+        conn.execute("DELETE FROM pk_t WHERE id > 1900")
+        conn.execute("COMMIT")
+    with source_db.connect() as conn:  # a streamed transaction that aborts: nothing recorded
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO pk_t SELECT g, repeat('y', 200), g FROM generate_series(5001, 7000) g")
+        conn.execute("ROLLBACK")
+    source_db.execute("UPDATE pk_t SET name = 'small' WHERE id = 1")
+    proc = run_worker(source_db, target_db, "--change-feed", "all", "--streamed-apply",
+                      streamed_apply, publication="pub,pub_ins")
+    if streamed_apply == "early":
+        assert "streamed transaction(s) applied as they streamed" in proc.stderr
+    found = _check_all(source_db, target_db)
+    assert ops(found["pk_t"]) == {"I": 2000, "U": 501, "D": 100}
+    assert target_db.query(f"SELECT count(*) FROM {change_table('pk_t')} WHERE change_commit_lsn = "
+                           f"'{PENDING}'") == [(0,)]
+
+
+@pytest.mark.parametrize("mode", ["prepare", "defer"])
+def test_prepared_transactions_get_the_commit_prepared_lsn(source_db, target_db, mode: str) -> None:
+    _setup(source_db, target_db, two_phase=True)
+    prepare_on_source(source_db, "keep", "INSERT INTO pk_t VALUES (1, 'one', 1)",
+                      "INSERT INTO pk_t SELECT g, 'big', g FROM generate_series(100, 1100) g")
+    prepare_on_source(source_db, "drop", "INSERT INTO pk_t VALUES (2, 'two', 2)")
+    args = ("--change-feed", "all", "--two-phase-mode", mode)
+    run_worker(source_db, target_db, *args, publication="pub,pub_ins")
+    assert changes(target_db, "pk_t") == []  # prepared: nothing visible, rows included
+    source_db.execute("COMMIT PREPARED 'keep'")
+    run_worker(source_db, target_db, *args, publication="pub,pub_ins")
+    applied = target_db.query("SELECT commit_lsn::text, commit_time FROM applier.progress")[0]
+    found = changes(target_db, "pk_t")
+    assert len(found) == 1002 and {(r[0], r[1]) for r in found} == {applied}
+    source_db.execute("ROLLBACK PREPARED 'drop'")
+    source_db.execute("UPDATE pk_t SET qty = 0 WHERE id = 1")
+    run_worker(source_db, target_db, *args, publication="pub,pub_ins")
+    found = check_feed(source_db, target_db, "pk_t")
+    assert ops(found) == {"I": 1002, "U": 1}
+
+
+def test_sigkill_mid_batch_leaves_no_change_row_without_its_data_and_none_twice(
+        source_db, target_db, tmp_path: Path) -> None:
+    from test_worker_faults import TABLES as BANK_TABLES
+    from test_worker_faults import Workload, _bank
+
+    _bank(source_db, target_db)
+    workload = Workload(source_db.dsn, seed=5)
+    workload.start()
+    chooser = random.Random(13)
+    log = tmp_path / "worker.log"
+    try:
+        for _ in range(8):
+            proc = start_worker(source_db, target_db, "--change-feed", "all", "--memory-budget",
+                                "256kB", "--spill-dir", str(tmp_path / "spill"), log_path=log)
+            time.sleep(chooser.uniform(0.8, 2.5))
+            assert proc.poll() is None, log.read_text()[-3000:]
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    finally:
+        workload.stop()
+    # A last kill at the most dangerous moment: committed on the target, the source not told.
+    source_db.execute("UPDATE branches SET bbalance = bbalance + 1 WHERE bid = 1")
+    run_worker(source_db, target_db, "--change-feed", "all", "--spill-dir", str(tmp_path / "spill"),
+               fault="before_feedback", expect_rc=-9)
+    run_worker(source_db, target_db, "--change-feed", "all", "--spill-dir", str(tmp_path / "spill"))
+    assert_same_rows(source_db, target_db, *BANK_TABLES)
+    keys = {"branches": ("bid",), "tellers": ("tid",), "accounts": ("aid",), "history": ("hid",)}
+    for table in BANK_TABLES:
+        check_feed(source_db, target_db, table, keys[table])
+    # Every update of the hot rows is there: the sum of the recorded deltas is the balance.
+    assert ops(changes(target_db, "branches"))["U"] >= workload.committed * 0.9
+
+
+def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, target_db,
+                                                                 tmp_path: Path) -> None:
+    from applier.spark.changes import HistoryNotRetained, change_range
+    from applier.spark.reader import open_snapshot
+
+    _setup(source_db, target_db)
+    log = tmp_path / "worker.log"
+    proc = start_worker(source_db, target_db, "--change-feed", "public.pk_t",
+                        "--change-feed-retention", "3s", publication="pub,pub_ins", log_path=log)
+    try:
+        def partitions() -> list[tuple]:
+            return target_db.query("SELECT partition_name FROM applier.change_partitions "
+                                   "ORDER BY from_lsn")
+
+        def retained() -> str:
+            return target_db.query("SELECT retained_after::text FROM applier.change_tables")[0][0]
+
+        next_id = 1
+
+        def write(rounds: int) -> None:
+            nonlocal next_id
+            for _ in range(rounds):
+                source_db.execute("INSERT INTO pk_t SELECT g, repeat('w', 500), 0 FROM "
+                                  "generate_series(%s::int, %s::int) g", (next_id, next_id + 299))
+                next_id += 300
+                time.sleep(0.2)
+
+        write(5)
+        wait_for(lambda: target_db.query("SELECT count(*) FROM pk_t") == [(next_id - 1,)],
+                 what="the first rows")
+        snap = open_snapshot(target_db.dsn)
+        try:
+            held = change_range(snap, "pk_t", retained())
+            before = partitions()
+            write(25)  # more partitions, and time for the first ones to expire
+            time.sleep(4)
+            assert partitions()[:len(before)] == before, "a partition dropped under a reader"
+            assert retained() == str(held.start)
+            # The snapshot still reads all it saw.
+            assert snap.query(f"SELECT count(*) FROM {change_table('pk_t')}")[0][0] == 1500
+        finally:
+            snap.close()
+        wait_for(lambda: retained() != str(held.start), timeout=30, what="retention after the reader")
+        assert partitions()[0] not in before
+        with open_snapshot(target_db.dsn) as late:
+            with pytest.raises(HistoryNotRetained, match="committed after"):
+                change_range(late, "pk_t", held.start)
+            kept = change_range(late, "pk_t", retained())
+            count = late.query(f"SELECT count(*) FROM {change_table('pk_t')} "
+                               f"WHERE change_commit_lsn > '{kept.start}'")[0][0]
+            total = late.query(f"SELECT count(*) FROM {change_table('pk_t')}")[0][0]
+            assert count == total > 0
+    finally:
+        assert stop_worker(proc) == 0, log.read_text()[-3000:]
+    assert "dropped" in log.read_text()
+    assert_same_rows(source_db, target_db, "pk_t")
+
+
+def test_status_shows_the_retained_range_and_size(source_db, target_db) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from replication import REPO
+
+    _setup(source_db, target_db)
+    source_db.execute("INSERT INTO pk_t SELECT g, 'x', g FROM generate_series(1, 100) g")
+    run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
+    out = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                          "--target", target_db.dsn, "--slot", "s", "--json"],
+                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    report = json.loads(out.stdout)
+    feed = {row["table"]: row for row in report["change_feed"]}
+    assert set(feed) == {f"public.{t}" for t in TABLES}
+    assert feed["public.pk_t"]["retained_after"] == "0/0"
+    assert feed["public.pk_t"]["bytes"] > 0
+    text = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                           "--target", target_db.dsn, "--slot", "s"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+    assert "change feed" in text and "public.pk_t" in text

@@ -1,0 +1,183 @@
+"""The change feed in the apply stage without a server: which statements record each change, with
+which meta, on the careful and the fast path; stamps, pending rows, moved keys, partitions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from fake_target import Rig, mapping, relation, rig
+
+from applier.apply.feed import Stamp, moved_key
+from applier.assembler import TransactionEnd, TransactionStart
+from applier.progress import feed as layout
+from applier.progress.feed import PENDING, ChangeTable, Partition
+from applier.protocol.lsn import LSN
+from applier.protocol.messages import Delete, Insert, Truncate, TupleData, Update
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+CT = '"applier_changes"."public.t"'
+
+
+def _row(*values: bytes | None) -> TupleData:
+    return TupleData(bytes(ord("n") if v is None else ord("t") for v in values), values)
+
+
+def _change_table(upper: int = 1 << 40) -> ChangeTable:
+    return ChangeTable(1, "s", "public", "t", "public.t", {"id": "integer", "v": "text"}, LSN(0),
+                       Partition("1.1:public.t", LSN(0), LSN(upper), LSN(0), T0), 1)
+
+
+def _rig(fast: bool = False, upper: int = 1 << 40) -> tuple[Rig, ChangeTable]:
+    change_table = _change_table(upper)
+    r = rig(fast=fast, feeds={("public", "t"): change_table})
+    r.applier.relation(relation())
+    return r, change_table
+
+
+def _transaction(r: Rig, xid: int, lsn: int, *changes: object, commit_lsn: int | None = None) -> None:
+    applier = r.applier
+    applier.begin(TransactionStart(xid, LSN(lsn), T0, streamed=False, gid=None, end_lsn=None))
+    for change in changes:
+        applier.change(change)
+    final = LSN(commit_lsn if commit_lsn is not None else lsn)
+    applier.commit(TransactionEnd(xid, final, LSN(final + 8), T0, streamed=False, gid=None))
+
+
+def test_the_careful_path_records_each_change_in_its_statement() -> None:
+    r, _ = _rig()
+    _transaction(r, 700, 0x1000, Insert(None, 1, _row(b"1", b"a")),
+                 Update(None, 1, None, None, _row(b"1", b"b")), Delete(None, 1, "K", _row(b"1", None)))
+    recorded = [(text, values) for text, values in r.target.calls if text.startswith("WITH")]
+    assert len(recorded) == 3
+    for (text, values), op, seq in zip(recorded, "IUD", (1, 2, 3)):
+        assert f"INSERT INTO {CT}" in text and f"'{op}'" in text and "RETURNING" in text
+        # The meta come last: commit LSN, commit time, xid, the change's order.
+        assert values[-4:] == [b"0/1000", T0.isoformat().encode(), b"700", str(seq).encode()]
+    (transaction,) = r.target.transactions
+    assert [s.split(None, 1)[0] for s in transaction] == ["WITH", "WITH", "WITH"]
+
+
+def test_a_truncate_leaves_a_marker_and_a_moved_key_a_delete_row() -> None:
+    r, _ = _rig()
+    old_key = TupleData(bytes([ord("t"), ord("n")]), (b"1", None))
+    _transaction(r, 700, 0x1000, Update(None, 1, "K", old_key, _row(b"2", b"x")),
+                 Truncate(None, 0, (1,)))
+    texts = [text for text in r.target.transactions[0]]
+    assert texts[0].startswith("WITH") and "'U'" in texts[0]
+    assert texts[1].startswith(f"INSERT INTO {CT}") and "'D'" in texts[1]
+    assert texts[2].startswith('TRUNCATE "public"."t"')
+    assert texts[3].startswith(f"INSERT INTO {CT}") and "'T'" in texts[3]
+    moved_values = [v for t, v in r.target.calls if t == texts[1]][0]
+    assert moved_values[:4] == [b"0/1000", T0.isoformat().encode(), b"700", b"1"]  # before the update
+    assert moved_values[4:] == [b"1"]  # the old key
+
+
+def _recorded(r: Rig, text_starts: str) -> list[list[bytes | None]]:
+    """The values of the statements starting with ``text_starts`` that the target received."""
+    return [values for text, values in r.target.calls if text.startswith(text_starts)]
+
+
+def test_the_fast_path_records_each_change_and_still_folds_the_data() -> None:
+    """Inserts and updates of every column: change rows from the values sent (one multi-row
+    INSERT per part here, a COPY when long), the data folded as without the feed. A delete
+    records the whole old row the target returns."""
+    r, _ = _rig(fast=True)
+    r.target.rows = lambda text, values: max(1, text.count("($"))  # one row per VALUES row
+    keys = [str(n).encode() for n in range(1, 11)]
+    _transaction(r, 700, 0x1000, *(Insert(None, 1, _row(k, b"a")) for k in keys))
+    _transaction(r, 701, 0x2000, *(Update(None, 1, None, None, _row(k, b"b")) for k in keys),
+                 Update(None, 1, None, None, _row(b"1", b"c")))  # key 1 again
+    _transaction(r, 702, 0x3000, Delete(None, 1, "K", _row(b"2", None)))
+    r.applier.flush()
+    (batch,) = r.target.transactions
+    # The data: inserts of the final rows (each insert then update folded into one), no UPDATE.
+    assert not any(text.startswith('UPDATE "public"."t"') for text in batch)
+    deletes = [text for text in batch if text.startswith("WITH") and "DELETE" in text]
+    assert len(deletes) == 1 and "RETURNING" in deletes[0]
+    recorded = [values for values in _recorded(r, f"INSERT INTO {CT}")]
+    rows = [chunk[i:i + 7] for chunk in recorded for i in range(0, len(chunk), 7)]
+    assert [(row[2], row[3], row[4], row[5], row[6]) for row in rows] == (
+        [(b"700", str(n).encode(), b"I", k, b"a") for n, k in enumerate(keys, 1)]
+        + [(b"701", str(n).encode(), b"U", k, b"b") for n, k in enumerate(keys, 1)]
+        + [(b"701", b"11", b"U", b"1", b"c")])
+    assert _recorded(r, "WITH")[-1][-4:] == [b"0/3000", T0.isoformat().encode(), b"702", b"1"]
+
+
+def test_an_update_that_left_a_toast_value_unchanged_is_recorded_from_the_target_row() -> None:
+    r, _ = _rig(fast=True)
+    unchanged = TupleData(bytes([ord("t"), ord("u")]), (b"1", None))
+    _transaction(r, 700, 0x1000, Update(None, 1, None, None, _row(b"1", b"a")),
+                 Update(None, 1, None, None, unchanged), Update(None, 1, None, None, _row(b"1", b"c")))
+    r.applier.flush()
+    (batch,) = r.target.transactions
+    kinds = [(text.split(None, 1)[0], "RETURNING" in text) for text in batch]
+    # In order, none folded across the one the target records: data, recorded, data, then the
+    # change rows of the other two (one statement each: two rows take the ladder's 1 + 1).
+    assert kinds == [("UPDATE", False), ("WITH", True), ("UPDATE", False), ("INSERT", False),
+                     ("INSERT", False)]
+    returned = _recorded(r, "WITH")[0]
+    assert returned[-1] == b"2"  # its order in the transaction
+
+
+def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> None:
+    r, change_table = _rig(fast=True)
+    applier = r.applier
+    applier.begin(TransactionStart(900, PENDING, T0, streamed=True, gid=None, end_lsn=None))
+    applier.change(Insert(None, 1, _row(b"1", b"a")))
+    applier.commit(TransactionEnd(900, LSN(0x5000), LSN(0x5008), T0, streamed=True, gid=None))
+    applier.flush()
+    (batch,) = r.target.transactions
+    calls = {text: values for text, values in r.target.calls}
+    assert calls[batch[1]][:3] == [b"FFFFFFFF/FFFFFFFF", None, b"900"]
+    fix = batch[2]
+    assert fix.startswith(f"UPDATE {CT} SET") and "'0/5000'" in fix and "900" in fix
+    assert change_table.newest.to_lsn > 0x5000  # the partition of its commit LSN exists
+
+
+def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_back() -> None:
+    r, change_table = _rig(upper=0x1000)
+    _transaction(r, 700, 0x2000, Insert(None, 1, _row(b"1", b"a")))
+    created = [s for s in r.target.transactions[0] if "ATTACH PARTITION" in s]
+    assert created and change_table.newest.from_lsn == 0x1000 and change_table.newest.to_lsn > 0x2000
+    newest = change_table.newest
+    r.applier.begin(TransactionStart(701, LSN(newest.to_lsn + 10), T0, streamed=False, gid=None,
+                                     end_lsn=None))
+    r.applier.change(Insert(None, 1, _row(b"2", b"a")))
+    assert change_table.newest is not newest
+    r.applier.abort_open_transaction()
+    assert change_table.newest is newest and change_table.partitions == 2
+
+
+def test_the_lane_does_not_take_recorded_tables() -> None:
+    r, _ = _rig(fast=True)
+    assert r.applier.lane_run(1, "I", lambda columns, keys: None) is False  # type: ignore[arg-type,return-value]
+
+
+def test_stamps_encode_once_and_pending_has_no_time() -> None:
+    stamp = Stamp(LSN(0x16_B374D848), T0, 42, False)
+    assert stamp.text == (b"16/B374D848", T0.isoformat().encode(), b"42")
+    assert int.from_bytes(stamp.binary[0], "big") == 0x16_B374D848
+    pending = Stamp(LSN(5), T0, 42, True)
+    assert pending.commit_lsn == PENDING and pending.text[1] is None and pending.binary[1] is None
+
+
+def test_moved_key_is_the_old_key_only_when_it_changed() -> None:
+    m = mapping()
+    same = TupleData(bytes([ord("t"), ord("n")]), (b"1", None))
+    assert moved_key(m, _row(b"1", b"x"), None) is None
+    assert moved_key(m, _row(b"1", b"x"), same) is None
+    assert moved_key(m, _row(b"2", b"x"), same) == (0,)
+
+
+def test_partitions_are_sized_from_the_wal_rate_and_named_within_63_bytes() -> None:
+    change_table = _change_table()
+    change_table.newest = Partition("1.2:public.t", LSN(0), LSN(1000), LSN(0), T0)
+    first = layout.next_partition(change_table, LSN(5000), T0 + timedelta(seconds=10), 86400)
+    assert first.from_lsn == 1000 and first.to_lsn - 5000 == layout.first_span(86400)
+    change_table.newest = Partition("1.3:public.t", LSN(1000), LSN(2000), LSN(1000), T0)
+    sized = layout.next_partition(change_table, LSN(1000 + 10 * 1024**2), T0 + timedelta(seconds=10), 100)
+    assert sized.to_lsn - sized.opened_lsn == 100 * 1024**2  # 1MB/s for 100 s
+    long = layout.change_table_name("s" * 40, "t" * 40, "slot", set())
+    assert len(long.encode()) <= 63 and long != layout.change_table_name("s" * 40, "t" * 41, "slot", set())
+    assert layout.change_table_name("public", "t", "slot", {"public.t"}) != "public.t"
+    assert len(layout.partition_name(change_table, 12345).encode()) <= 63

@@ -107,4 +107,4 @@ def second_applier(main: Applier, session: TargetSession,
                                      feeds=main.relations.feeds),
                    main.handlers.for_second_session(tx),
                    limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf),
-                   follow_schema=main.schema is not None, on_relation=main.on_relation)
+                   follow_schema=main.mappings.schema is not None, on_relation=main.on_relation)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 
 from ..assembler import Change, TransactionEnd, TransactionStart
 from ..errors import ApplyError, Cause, Directive, TargetError, decide
@@ -39,16 +38,16 @@ from ..protocol.messages import (
     Type,
     Update,
 )
-from .batch import KeyRun, Run
 from .careful import CarefulPath, update_key
 from .divert import Discard, Divert
-from .fastpath import BatchLimits, FastPath, LaneRoom
+from .fastpath import BatchLimits, FastPath
 from .feed import moved_key
 from .handlers import Handlers
 from .lane import Lane, lane_for
+from .lane_seat import LaneSeat
 from .mapping import MappingError, RelationMapping
+from .mappings import TableMappings
 from .relations import RelationCache
-from .schema import SchemaFollower, TypeCache
 from .skipping import Skipper
 from .statements import truncate_sql
 from .sync_filter import SyncFilter
@@ -71,17 +70,13 @@ class Applier:
         self.tx = tx
         self.relations = relations
         self.handlers = handlers
-        #: --schema-changes follow: target tables are made to fit the source's Relation messages.
-        self.types = TypeCache()
-        self.schema = SchemaFollower(tx, self.types) if follow_schema else None
-        #: Relations whose target table a schema change in the open target transaction altered:
-        #: read again if it rolls back.
-        self._altered: set[int] = set()
+        self.mappings = TableMappings(tx, relations, follow_schema=follow_schema)
+        #: A relation's mapping onto its target table (``TableMappings.mapping``), per row change.
+        self.mapping = self.mappings.mapping
         self._schema_changes = tx.schema_changes  # how this session makes them, outside 2PC
         #: Told of every Relation message first: it may end the session (a table added to a
         #: publication is copied before streaming on).
         self.on_relation = on_relation
-        tx.on_end.append(self._transaction_ended)
         self.careful = CarefulPath(tx, relations, handlers.conflicts)
         conflicts = handlers.conflicts
         self.fast = None if limits is None else FastPath(
@@ -98,7 +93,7 @@ class Applier:
         }
         #: Plain transactions of row changes, and the row changes of any fast-path transaction,
         #: taken straight from their payloads (None without the C accelerator or the fast path).
-        self.lane: Lane | None = lane_for(self) if self.fast is not None else None
+        self.lane: Lane | None = None if self.fast is None else lane_for(LaneSeat(self, self.fast))
 
     # -- what the worker reads ----------------------------------------------------------------------
     @property
@@ -110,6 +105,11 @@ class Applier:
     def conflicts(self) -> Counter[tuple[str, str]]:
         """Conflicts by (table, type)."""
         return self.handlers.conflicts.counts
+
+    @property
+    def on_fast_path(self) -> bool:
+        """The open source transaction is on the fast path, and nothing diverts its changes."""
+        return self._fast and self._divert is None
 
     @property
     def holds_uncommitted(self) -> bool:
@@ -139,9 +139,7 @@ class Applier:
         if self.on_relation is not None:
             self.on_relation(msg)
         try:
-            # A table a schema change in the open transaction altered is known better here than
-            # by reading it on another connection, which does not see the change yet.
-            self.relations.learn(msg, keep_target=msg.relation_id in self._altered)
+            self.mappings.learn(msg)
             self.careful.forget(msg.relation_id)
             if self.fast is not None:
                 self.fast.relation_changed(msg.relation_id)  # queued rows used the old definition
@@ -151,36 +149,7 @@ class Applier:
             raise self._failure(exc) from exc
 
     def type(self, msg: Type) -> None:
-        # Values are cast by the target column's type, found by name; a new column of a type that
-        # is not built in is typed by this name (--schema-changes follow).
-        self.types.learn(msg)
-
-    def mapping(self, relation_id: int) -> RelationMapping:
-        """The relation's mapping onto its target table, made to fit first when the source's
-        schema is followed."""
-        relations = self.relations
-        mapping = relations.cached(relation_id)
-        if mapping is not None:
-            return mapping
-        if self.schema is not None:
-            table = relations.target(relation_id)
-            aligned = self.schema.align(relations.relation(relation_id), table,
-                                        relations.previous(relation_id))
-            if aligned is not table:
-                relations.set_target(relation_id, aligned)
-                self._altered.add(relation_id)
-        mapping = relations.mapping(relation_id)
-        feed = self.tx.feed
-        if mapping.feed is not None and feed is not None:
-            # Forgotten if the transaction rolls back: the change table's columns would too.
-            self._altered.add(relation_id)
-            feed.align(mapping)
-        return mapping
-
-    def _transaction_ended(self, committed: bool) -> None:
-        if not committed:
-            self.relations.forget_all(self._altered)  # the schema change rolled back with it
-        self._altered.clear()
+        self.mappings.learn_type(msg)
 
     # -- transactions -------------------------------------------------------------------------------
     def begin(self, txn: TransactionStart) -> None:
@@ -336,7 +305,7 @@ class Applier:
         transaction's divert applies its changes this way)."""
         sync_filter = self.sync_filter
         if sync_filter is not None and sync_filter.skipped:
-            kept = self._not_in_copy(msg)
+            kept = sync_filter.kept(msg, self.relations.get)
             if kept is None:
                 return
             msg = kept
@@ -424,25 +393,6 @@ class Applier:
         except TargetError as exc:
             raise self._failure(exc, f" (delivering logical message at {msg.lsn})") from exc
 
-    def _not_in_copy(self, msg: Change) -> Change | None:
-        """``msg`` without the tables whose initial copy already holds this transaction."""
-        sync_filter = self.sync_filter
-        assert sync_filter is not None
-        if isinstance(msg, Message):
-            return msg
-        ids = msg.relation_ids if isinstance(msg, Truncate) else (msg.relation_id,)
-        kept = []
-        for relation_id in ids:
-            relation = self.relations.get(relation_id)
-            if relation is None or not sync_filter.skips(relation.namespace, relation.name):
-                kept.append(relation_id)
-        if not kept:
-            return None
-        if len(kept) == len(ids):
-            return msg
-        assert isinstance(msg, Truncate)
-        return replace(msg, relation_ids=tuple(kept))
-
     # -- failures -----------------------------------------------------------------------------------
     def _failure(self, exc: TargetError | MappingError, what: str = "") -> ApplyError:
         """``exc`` as an ``ApplyError`` naming the transaction being applied."""
@@ -464,51 +414,6 @@ class Applier:
         log.info("%s; committing the source transactions before it first, row by row", exc)
         self.abort_open_transaction()
         return ApplyError(str(exc), cause=Cause.FAST_PATH_MISMATCH, careful_until=until)
-
-    # -- the lane (lane.LaneHost) ----------------------------------------------------------------------
-    @property
-    def batch_runs(self) -> dict[int, Run | KeyRun]:
-        assert self.fast is not None
-        return self.fast.batch.runs
-
-    def lane_room(self, whole: bool) -> LaneRoom | None:
-        fast = self.fast
-        if fast is None or (self.sync_filter is not None and self.sync_filter.active):
-            return None
-        if whole:
-            if self.tx.current is not None or self.handlers.skips.lsn is not None:
-                return None
-        elif not self._fast or self._divert is not None or self.tx.current is None:
-            return None
-        return fast.room(whole, LSN(max(self.tx.applied.commit_lsn, self.careful_until)))
-
-    def lane_run(self, relation_id: int, kind: str,
-                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
-        """A run for a table independent of others (and for updates and deletes, one with a key:
-        not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes the change (and
-        reports what is wrong with the relation, if anything)."""
-        if relation_id not in self.relations:
-            return False
-        try:
-            mapping = self.mapping(relation_id)
-        except MappingError:
-            return False
-        if not mapping.table.independent or mapping.feed is not None:
-            return False  # the change feed's rows are written on the ordinary path
-        if kind != "I" and (not mapping.key_positions or mapping.full_identity):
-            return False
-        assert self.fast is not None
-        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions), kind)
-        return True
-
-    def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
-                  transactions: int, last: TransactionEnd | None) -> None:
-        assert self.fast is not None
-        self.fast.took(inserts, updates, deletes, value_bytes, transactions, last)
-
-    def lane_due(self) -> None:
-        assert self.fast is not None
-        self.fast.due()
 
     def send_part(self) -> None:
         """Send what the batch holds ahead of its commit (the lane's part is due, or a stream

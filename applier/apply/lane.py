@@ -38,7 +38,7 @@ _BEGIN = int(MessageType.BEGIN)
 
 
 class LaneHost(Protocol):
-    """What the lane needs of the apply stage (``dispatch.Applier``)."""
+    """What the lane needs of the apply stage (``lane_seat.LaneSeat``)."""
 
     @property
     def batch_runs(self) -> dict[int, Run | KeyRun]:

@@ -7,10 +7,13 @@ its transaction commits before L, and must be applied from L on. Pure logic: no 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
+from ..assembler import Change
 from ..progress.records import TableName
 from ..protocol.lsn import LSN
+from ..protocol.messages import Message, Relation, Truncate
 
 __all__ = ["SyncFilter"]
 
@@ -53,3 +56,21 @@ class SyncFilter:
 
     def skips(self, schema: str, table: str) -> bool:
         return (schema, table) in self.skipped
+
+    def kept(self, msg: Change, relation: Callable[[int], Relation | None]) -> Change | None:
+        """``msg`` without the tables whose copy already holds this transaction (None: nothing
+        of it is left). ``relation``: the Relation message of a relation id, if known."""
+        if isinstance(msg, Message):
+            return msg
+        ids = msg.relation_ids if isinstance(msg, Truncate) else (msg.relation_id,)
+        kept = []
+        for relation_id in ids:
+            known = relation(relation_id)
+            if known is None or not self.skips(known.namespace, known.name):
+                kept.append(relation_id)
+        if not kept:
+            return None
+        if len(kept) == len(ids):
+            return msg
+        assert isinstance(msg, Truncate)
+        return replace(msg, relation_ids=tuple(kept))

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 from fake_target import Rig, mapping, relation, rig
 
 from applier.apply.feed import Stamp, moved_key
+from applier.apply.lane_seat import LaneSeat
 from applier.assembler import TransactionEnd, TransactionStart
 from applier.progress import feed as layout
 from applier.progress.feed import PENDING, ChangeTable, Partition
@@ -150,7 +151,9 @@ def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_b
 
 def test_the_lane_does_not_take_recorded_tables() -> None:
     r, _ = _rig(fast=True)
-    assert r.applier.lane_run(1, "I", lambda columns, keys: None) is False  # type: ignore[arg-type,return-value]
+    assert r.applier.fast is not None
+    seat = LaneSeat(r.applier, r.applier.fast)
+    assert seat.lane_run(1, "I", lambda columns, keys: None) is False  # type: ignore[arg-type,return-value]
 
 
 def test_stamps_encode_once_and_pending_has_no_time() -> None:

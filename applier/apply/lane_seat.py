@@ -1,0 +1,99 @@
+"""Where the C lane sits in the apply stage: the ``lane.LaneHost`` it writes through.
+
+Owns the lane's questions to the apply stage: may it take payloads now, and how far
+(``lane_room``); may a table's changes of one kind go into a run of the batch (``lane_run``);
+and handing its counts, parts and commits to the fast path. Must never decide which path a
+source transaction takes: ``dispatch.Applier`` does, and the lane only takes what that decision
+allows (read through ``SeatOwner``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from ..assembler import TransactionEnd
+from ..protocol.lsn import LSN
+from .batch import KeyRun, Run
+from .fastpath import FastPath, LaneRoom
+from .handlers import Handlers
+from .mapping import MappingError, RelationMapping
+from .relations import RelationCache
+from .sync_filter import SyncFilter
+from .transaction import TargetTransaction
+
+__all__ = ["LaneSeat", "SeatOwner"]
+
+
+class SeatOwner(Protocol):
+    """What the seat reads of the apply stage (``dispatch.Applier``)."""
+
+    tx: TargetTransaction
+    relations: RelationCache
+    handlers: Handlers
+    sync_filter: SyncFilter | None
+    careful_until: LSN
+
+    @property
+    def on_fast_path(self) -> bool:
+        """The open source transaction is on the fast path, and nothing diverts its changes."""
+
+    def mapping(self, relation_id: int) -> RelationMapping: ...
+
+    def flush(self, durable: bool = False) -> None: ...
+
+
+class LaneSeat:
+    """The ``lane.LaneHost`` of an apply stage with a fast path."""
+
+    def __init__(self, owner: SeatOwner, fast: FastPath) -> None:
+        self.owner = owner
+        self.fast = fast
+
+    @property
+    def batch_runs(self) -> dict[int, Run | KeyRun]:
+        return self.fast.batch.runs
+
+    def lane_room(self, whole: bool) -> LaneRoom | None:
+        owner = self.owner
+        if owner.sync_filter is not None and owner.sync_filter.active:
+            return None
+        tx = owner.tx
+        if whole:
+            if tx.current is not None or owner.handlers.skips.lsn is not None:
+                return None
+        elif not owner.on_fast_path or tx.current is None:
+            return None
+        return self.fast.room(whole, LSN(max(tx.applied.commit_lsn, owner.careful_until)))
+
+    def lane_run(self, relation_id: int, kind: str,
+                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
+        """A run for a table independent of others (and for updates and deletes, one with a key:
+        not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes the change (and
+        reports what is wrong with the relation, if anything)."""
+        owner = self.owner
+        if relation_id not in owner.relations:
+            return False
+        try:
+            mapping = owner.mapping(relation_id)
+        except MappingError:
+            return False
+        if not mapping.table.independent or mapping.feed is not None:
+            return False  # the change feed's rows are written on the ordinary path
+        if kind != "I" and (not mapping.key_positions or mapping.full_identity):
+            return False
+        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions), kind)
+        return True
+
+    def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
+                  transactions: int, last: TransactionEnd | None) -> None:
+        self.fast.took(inserts, updates, deletes, value_bytes, transactions, last)
+
+    def lane_due(self) -> None:
+        self.fast.due()
+
+    def send_part(self) -> None:
+        self.fast.send_part()
+
+    def flush(self, durable: bool = False) -> None:
+        self.owner.flush(durable)

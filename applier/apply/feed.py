@@ -27,19 +27,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import Protocol
 
-from psycopg import sql
+from psycopg import pq, sql
 
+from ..assembler import TransactionStart
 from ..errors import ApplyError, Cause
 from ..progress import feed as layout
 from ..progress.feed import PENDING, ChangeTable, Partition
 from ..progress.records import TableName
 from ..protocol.lsn import LSN, to_pg_timestamp
 from ..protocol.messages import KIND_UNCHANGED, TupleData
+from .ddl import DDL_REFUSED, DDL_SEPARATELY
 from .mapping import RelationMapping
-from .schema import DDL_REFUSED, DDL_SEPARATELY
 from .statements import Statement, named, placeholder
-from .transaction import TargetTransaction
 
 __all__ = ["META", "FeedWriter", "Meta", "Stamp", "binary_meta", "moved_key", "text_meta"]
 
@@ -100,8 +101,27 @@ def moved_key(mapping: RelationMapping, new: TupleData, old: TupleData | None) -
     return recorded
 
 
+class FeedSession(Protocol):
+    """What the writer needs of its session's target transaction (``TargetTransaction``)."""
+
+    current: TransactionStart | None
+    on_end: list[Callable[[bool], None]]
+    schema_changes: str
+
+    def sql(self, text: str, values: Sequence[bytes | None] | None = None) -> pq.abc.PGresult: ...
+
+    def execute_row(self, statement: Statement, new: TupleData | None, old: TupleData | None,
+                    mapping: RelationMapping, meta: Sequence[bytes | None] = ()) -> pq.abc.PGresult: ...
+
+    def begin(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def commit_alone(self) -> None: ...
+
+
 class FeedWriter:
-    def __init__(self, tx: TargetTransaction, tables: dict[TableName, ChangeTable],
+    def __init__(self, tx: FeedSession, tables: dict[TableName, ChangeTable],
                  interval: float) -> None:
         self.tx = tx
         self.tables = tables

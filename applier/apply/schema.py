@@ -32,17 +32,13 @@ from psycopg import sql
 from ..errors import ApplyError, Cause
 from ..progress.records import SchemaChange
 from ..protocol.messages import Relation, RelationColumn, Type
+from .ddl import DDL_REFUSED, DDL_SEPARATELY
 from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
 from .transaction import TargetTransaction
 
-__all__ = ["DDL_INLINE", "DDL_REFUSED", "DDL_SEPARATELY", "SchemaFollower", "TypeCache"]
+__all__ = ["SchemaFollower", "TypeCache"]
 
 log = logging.getLogger(__name__)
-
-#: How a target transaction takes a schema change: inside it (the rule), committed on its own
-#: before it (then the source sends the transaction again), or not at all (the transaction is
-#: applied elsewhere).
-DDL_INLINE, DDL_SEPARATELY, DDL_REFUSED = "inline", "separately", "refused"
 
 INT2, INT4, INT8, FLOAT4, FLOAT8 = 21, 23, 20, 700, 701
 NUMERIC, VARCHAR, BPCHAR, TEXT = 1700, 1043, 1042, 25

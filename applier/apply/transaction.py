@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from psycopg import pq, sql
 
@@ -26,13 +25,12 @@ from ..progress.records import AppliedPosition, Position
 from ..progress.store import ApplyStore, StoreStatement
 from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_BINARY, Origin, TupleData
+from .ddl import DDL_INLINE
+from .feed import FeedWriter
 from .mapping import RelationMapping
 from .pipeline import Pipeline
 from .statements import NEW, Statement
 from .target import Preparable, TargetSession
-
-if TYPE_CHECKING:
-    from .feed import FeedWriter
 
 __all__ = ["DURABLE_COMMIT", "OnCommit", "TargetTransaction", "WAL_INSERT_LSN"]
 
@@ -63,7 +61,7 @@ class TargetTransaction:
         self.pending: Counter[str] = Counter()   # in the open target transaction
         #: How a schema change needed now is made (``schema.DDL_*``): inside the open
         #: transaction, committed on its own before it, or not at all.
-        self.schema_changes = "inline"
+        self.schema_changes = DDL_INLINE
         #: Called with True when the open transaction commits, False when it rolls back.
         self.on_end: list[Callable[[bool], None]] = []
         #: The change feed's writer of this session (--change-feed), None when the feed is off.

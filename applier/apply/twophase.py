@@ -63,10 +63,10 @@ from ..protocol import decode
 from ..protocol.encoder import encode
 from ..protocol.lsn import LSN
 from ..protocol.messages import CommitPrepared, Message, Relation, RollbackPrepared, Truncate
+from .ddl import DDL_INLINE, DDL_SEPARATELY
 from .divert import Divert
 from .origins import OriginTracker
 from .relations import RelationCache
-from .schema import DDL_INLINE, DDL_SEPARATELY
 from .skipping import SkipRequests
 from .transaction import TargetTransaction
 

@@ -19,13 +19,13 @@ from ..progress.records import AppliedPosition
 from ..progress.store import ApplyStore
 from ..protocol.lsn import LSN
 from ..protocol.messages import Relation
+from .ddl import DDL_REFUSED
 from .dispatch import Applier
 from .fastpath import BatchLimits
 from .feed import FeedWriter
 from .handlers import build_handlers, tag_with_origin
 from .mapping import TargetTable
 from .relations import RelationCache
-from .schema import DDL_REFUSED
 from .streaming import LOCK_TIMEOUT
 from .sync_filter import SyncFilter
 from .target import TargetSession

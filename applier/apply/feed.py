@@ -32,13 +32,12 @@ from typing import Protocol
 from psycopg import pq, sql
 
 from ..assembler import TransactionStart
-from ..errors import ApplyError, Cause
 from ..progress import feed as layout
 from ..progress.feed import PENDING, ChangeTable, Partition
 from ..progress.records import TableName
 from ..protocol.lsn import LSN, to_pg_timestamp
 from ..protocol.messages import KIND_UNCHANGED, TupleData
-from .ddl import DDL_REFUSED, DDL_SEPARATELY
+from .ddl import after_ddl, before_ddl
 from .mapping import RelationMapping
 from .statements import Statement, named, placeholder
 
@@ -259,24 +258,15 @@ class FeedWriter:
         if not changes:
             return
         tx = self.tx
-        mode = tx.schema_changes
-        if mode == DDL_REFUSED:
-            raise ApplyError(f"change table of {mapping.table.sql_name} needs a schema change, "
-                             "which this session does not make", cause=Cause.SEND_AGAIN)
-        if mode == DDL_SEPARATELY:
-            tx.rollback()
-            tx.begin()
+        subject = f"change table of {mapping.table.sql_name}"
+        before_ddl(tx, subject)
         before = dict(change_table.columns)
         for name, type_sql, statement in changes:
             tx.sql(statement.as_string())
             change_table.columns[name] = type_sql
             log.info("change feed: %s", statement.as_string())
         self._undo.append(lambda: _restore(change_table.columns, before))
-        if mode == DDL_SEPARATELY:
-            tx.commit_alone()
-            raise ApplyError(f"change table of {mapping.table.sql_name} needed a schema change, "
-                             "made on its own before the prepared transaction that needs it; the "
-                             "source sends that transaction again", cause=Cause.SEND_AGAIN)
+        after_ddl(tx, subject)
 
     def _partition(self, change_table: ChangeTable, lsn: LSN) -> None:
         """Create the partition for ``lsn`` in the open target transaction."""

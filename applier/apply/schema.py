@@ -32,7 +32,7 @@ from psycopg import sql
 from ..errors import ApplyError, Cause
 from ..progress.records import SchemaChange
 from ..protocol.messages import Relation, RelationColumn, Type
-from .ddl import DDL_REFUSED, DDL_SEPARATELY
+from .ddl import after_ddl, before_ddl
 from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
 from .transaction import TargetTransaction
 
@@ -74,13 +74,8 @@ class SchemaFollower:
         if not changes:
             return table
         tx = self.tx
-        mode = tx.schema_changes
-        if mode == DDL_REFUSED:
-            raise ApplyError(f"{table.sql_name} needs a schema change, which this session does "
-                             "not make", cause=Cause.SEND_AGAIN)
-        if mode == DDL_SEPARATELY:
-            tx.rollback()
-            tx.begin()
+        subject = table.sql_name
+        before_ddl(tx, subject)
         for change in changes:
             tx.sql(change.statement.as_string())
             log.info("schema change on %s: %s (the source's %s.%s changed)", table.sql_name,
@@ -91,11 +86,7 @@ class SchemaFollower:
                 current.commit_lsn if current is not None else None))
             tx.pending["schema_change"] += 1
             table = self._after(table, change)
-        if mode == DDL_SEPARATELY:
-            tx.commit_alone()
-            raise ApplyError(f"{table.sql_name} needed a schema change, made on its own before "
-                             "the prepared transaction that needs it; the source sends that "
-                             "transaction again", cause=Cause.SEND_AGAIN)
+        after_ddl(tx, subject)
         return table
 
     # -- what must change -----------------------------------------------------------------------

@@ -1,0 +1,227 @@
+"""Incremental ``applier pipeline`` against a full recompute, after a small share of a table changed.
+
+Owns nothing the product uses; it only measures (issue 27: "an incremental pipeline run after 1%
+of a 2,000,000-row table changed (inserts, updates, deletes) against a full recompute: the same
+result, at least 5x faster"). One source and one target server (throwaway, ``applier.embedded``).
+The source gets ``bench_pipeline (id bigint PRIMARY KEY, grp int, amount numeric(12,2), pad
+text)`` with ``--rows`` rows spread over ``--groups`` groups; ``applier sync --change-feed all``
+copies it, and ``applier pipeline`` (group by ``grp``, sum of ``amount``) runs once, in full.
+Then, ``--repeat`` times:
+
+1. on the source, ``--change-fraction`` of the rows change: a third deleted, a third updated
+   (each moved to another group, its amount changed), a third inserted, picked at random; the
+   groups those changes touch (before and after) are counted;
+2. ``applier run --change-feed all --exit-when-caught-up`` applies them (no worker runs while
+   the pipelines are timed);
+3. timed, each as a whole process from start to exit, taking turns going first: an incremental
+   ``applier pipeline`` into the output it updated last time, and ``applier pipeline --full`` into
+   another directory; and a trivial Spark job (``spark.range(1).count()``), the fixed cost of
+   starting and stopping Python, the JVM and Spark that both pay;
+4. both results (Parquet, read back with Spark after the timings) must equal each other and a
+   ``GROUP BY`` on the target, at the same commit LSN.
+
+It prints every round and the medians: process seconds, the seconds the pipeline itself reports
+(``seconds`` in its state file: from opening the snapshot to the written result, Spark start-up
+excluded) and the ratio full / incremental.
+
+    .venv/bin/python bench/pipeline.py [--rows 2000000] [--change-fraction 0.01] [--groups 1000]
+                                       [--repeat 3] [--pg-version 18] [--master local[*]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from apply_measure import load_average  # noqa: E402
+from apply_workloads import SOURCE_SETTINGS, TARGET_SETTINGS  # noqa: E402
+
+from applier.embedded import start_server  # noqa: E402
+
+TABLE = "bench_pipeline"
+DDL = f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, grp int NOT NULL, amount numeric(12,2) NOT NULL, pad text)"
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+TRIVIAL_SPARK = ("from applier.spark.session import spark_session\n"
+                 "import sys\n"
+                 "spark = spark_session(sys.argv[1], app_name='bench trivial')\n"
+                 "assert spark.range(1).count() == 1\n"
+                 "spark.stop()\n")
+
+
+def applier(*args: str) -> tuple[float, str]:
+    """Run ``python -m applier ARGS``: (seconds from start to exit, stdout); fails loudly."""
+    started = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "applier", *args], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True)
+    elapsed = time.perf_counter() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"applier {args[0]} failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return elapsed, proc.stdout
+
+
+def trivial_spark(master: str) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-c", TRIVIAL_SPARK, master], cwd=ROOT, env=ENV, check=True,
+                   capture_output=True)
+    return time.perf_counter() - started
+
+
+def load(dsn: str, rows: int, groups: int) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(DDL)
+        conn.execute(f"INSERT INTO {TABLE} SELECT g, (hashint4(g::int) & 2147483647) % {groups}, "
+                     f"(g % 10000) / 100.0, repeat('x', 80) FROM generate_series(1, {rows}) g")
+        conn.execute(f"CREATE PUBLICATION pub FOR TABLE {TABLE}")
+        conn.execute(f"VACUUM ANALYZE {TABLE}")
+
+
+def change(dsn: str, rows: int, fraction: float, groups: int) -> tuple[int, int]:
+    """Delete, update (moving groups) and insert ``rows * fraction`` rows in all, one transaction
+    each; returns (rows changed, distinct groups touched before or after)."""
+    third = max(1, round(rows * fraction / 3))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TEMP TABLE picked AS SELECT id, grp, row_number() OVER () AS n "
+                     f"FROM (SELECT id, grp FROM {TABLE} ORDER BY random() LIMIT {2 * third}) p")
+        conn.execute(f"DELETE FROM {TABLE} t USING picked p WHERE t.id = p.id AND p.n <= {third}")
+        moved = conn.execute(
+            f"UPDATE {TABLE} t SET grp = (t.grp + 1 + floor(random() * {groups - 1})::int) % {groups}, "
+            f"amount = t.amount + 1.25 FROM picked p WHERE t.id = p.id AND p.n > {third} "
+            "RETURNING t.grp").fetchall()
+        top = conn.execute(f"SELECT max(id) FROM {TABLE}").fetchone()[0]
+        inserted = conn.execute(
+            f"INSERT INTO {TABLE} SELECT g, floor(random() * {groups})::int, (g % 10000) / 100.0, "
+            f"repeat('y', 80) FROM generate_series({top + 1}, {top + third}) g RETURNING grp").fetchall()
+        before = {g for (g,) in conn.execute("SELECT grp FROM picked")}
+        conn.execute("DROP TABLE picked")
+    return 3 * third, len(before | {g for (g,) in moved} | {g for (g,) in inserted})
+
+
+def sql_result(dsn: str) -> dict:
+    with psycopg.connect(dsn) as conn:
+        return {g: (n, s) for g, n, s in
+                conn.execute(f"SELECT grp, count(*), sum(amount) FROM {TABLE} GROUP BY grp")}
+
+
+def parquet_result(spark, output: Path) -> tuple[dict, set]:
+    """A pipeline output's groups (rows, sum) and the commit LSNs its rows carry."""
+    state = json.loads((output / "_applier_state.json").read_text())
+    found = spark.read.parquet(str(output / state["data"])).collect()
+    return {r["grp"]: (r["rows"], r["sum_amount"]) for r in found}, {r["source_commit_lsn"] for r in found}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rows", type=int, default=2_000_000,
+                        help="rows in the table before the first change (the issue's figure: 2,000,000)")
+    parser.add_argument("--change-fraction", type=float, default=0.01,
+                        help="share of --rows changed before each timed round, in equal thirds "
+                             "deletes, updates that move rows to another group, and inserts")
+    parser.add_argument("--groups", type=int, default=1000,
+                        help="distinct values of the group column; with random changes this sets how "
+                             "many groups an incremental run must recompute")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed rounds, each after a fresh change; medians are reported")
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of both servers")
+    parser.add_argument("--master", default="local[*]",
+                        help="Spark master URL of every pipeline run and of the trivial Spark job")
+    args = parser.parse_args()
+    if not (0 < args.change_fraction < 1 and args.rows > 0 and args.groups > 1 and args.repeat > 0):
+        parser.error("need 0 < --change-fraction < 1, --rows > 0, --groups > 1, --repeat > 0")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    print(f"PostgreSQL {args.pg_version}, {os.cpu_count()} cores, Spark {args.master}, commit {commit}, "
+          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_average()}", flush=True)
+    source = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-pipe-src")
+    target = start_server(args.pg_version, TARGET_SETTINGS, name="bench-pipe-tgt")
+    spark = None
+    work = Path(tempfile.mkdtemp(prefix="bench-pipeline-"))
+    try:
+        source.create_database("bench")
+        target.create_database("bench")
+        src, tgt = source.dsn("bench"), target.dsn("bench")
+        with psycopg.connect(tgt, autocommit=True) as conn:
+            conn.execute(DDL)
+        load(src, args.rows, args.groups)
+        worker = ["--source", src, "--target", tgt, "--slot", "bench", "--publication", "pub",
+                  "--change-feed", "all", "--exit-when-caught-up", "--log-level", "WARNING"]
+        seconds, _ = applier("sync", *worker)
+        print(f"{args.rows:,} rows in {args.groups:,} groups; applier sync --change-feed all: {seconds:.1f} s",
+              flush=True)
+        # A sync that streamed no transaction after its copy leaves no applier.progress row, which
+        # the pipeline needs to tag its result: one no-op update, applied by the worker, writes it.
+        with psycopg.connect(src, autocommit=True) as conn:
+            conn.execute(f"UPDATE {TABLE} SET pad = pad WHERE id = 1")
+        applier("run", *worker)
+        outputs = {"incremental": work / "incremental", "full": work / "full"}
+        pipeline = ["pipeline", "--target", tgt, "--table", f"public.{TABLE}", "--group-by", "grp",
+                    "--measure", "amount", "--master", args.master]
+        seconds, _ = applier(*pipeline, "--output", str(outputs["incremental"]))
+        print(f"first pipeline run (full, no previous result): {seconds:.1f} s", flush=True)
+        print(f"{'round':>5} {'changed':>8} {'groups hit':>10} {'apply':>7} {'incremental':>12} "
+              f"{'(in job)':>9} {'full':>7} {'(in job)':>9} {'ratio':>6} {'spark':>6}  same", flush=True)
+        runs: dict[str, list[float]] = {k: [] for k in ("incremental", "incr_job", "full", "full_job",
+                                                        "spark", "ratio")}
+        ok = True
+        for round_ in range(args.repeat):
+            changed, hit = change(src, args.rows, args.change_fraction, args.groups)
+            apply_seconds, _ = applier("run", *worker)
+            states = {}
+            order = ["incremental", "full"] if round_ % 2 == 0 else ["full", "incremental"]
+            for name in order:
+                extra = ["--full"] if name == "full" else []
+                seconds, out = applier(*pipeline, "--output", str(outputs[name]), *extra)
+                states[name] = json.loads(out)
+                runs[name].append(seconds)
+            runs["spark"].append(trivial_spark(args.master))
+            runs["incr_job"].append(states["incremental"]["seconds"])
+            runs["full_job"].append(states["full"]["seconds"])
+            runs["ratio"].append(runs["full"][-1] / runs["incremental"][-1])
+            if states["incremental"]["mode"] != "incremental":
+                print(f"  the incremental run was not: {states['incremental']['mode']}")
+                ok = False
+            if spark is None:  # after the first timings: an idle JVM from here on
+                from applier.spark.session import spark_session
+                spark = spark_session("local[1]", app_name="bench compare")
+            incremental, lsns_i = parquet_result(spark, outputs["incremental"])
+            full, lsns_f = parquet_result(spark, outputs["full"])
+            lsn = states["full"]["commit_lsn"]
+            same = (incremental == full == sql_result(tgt) and lsns_i == lsns_f == {lsn}
+                    and states["incremental"]["commit_lsn"] == lsn)
+            ok = ok and same
+            print(f"{round_ + 1:>5} {changed:>8,} {hit:>10,} {apply_seconds:>6.1f}s "
+                  f"{runs['incremental'][-1]:>11.1f}s {runs['incr_job'][-1]:>8.1f}s "
+                  f"{runs['full'][-1]:>6.1f}s {runs['full_job'][-1]:>8.1f}s {runs['ratio'][-1]:>5.2f}x "
+                  f"{runs['spark'][-1]:>5.1f}s  {'yes' if same else 'NO'}", flush=True)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        print(f"median of {args.repeat}: incremental {med['incremental']:.1f} s ({med['incr_job']:.1f} s in "
+              f"the job), full {med['full']:.1f} s ({med['full_job']:.1f} s in the job), full/incremental "
+              f"{med['full'] / med['incremental']:.2f}x (median of the rounds' ratios {med['ratio']:.2f}x); "
+              f"trivial Spark job {med['spark']:.1f} s; results equal: {'yes' if ok else 'NO'}")
+        print(f"load average at the end: {load_average()}")
+        return 0 if ok else 1
+    finally:
+        if spark is not None:
+            spark.stop()
+        source.cleanup()
+        target.cleanup()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,8 +17,10 @@ and the groups those keys were in before, which the previous run kept beside its
 Only those groups are read from the table and aggregated again, every other group is kept from
 the previous result, and the key index is updated from the same changes. A run recomputes in
 full when there is no previous result or key index, with ``--full``, when the table is not
-recorded or has no key, when the feed no longer retains the range (``HistoryNotRetained``), and
-when the range holds a truncate. No column or trigger on the source is needed.
+recorded or has no key, when the feed no longer retains the range (``HistoryNotRetained``), when
+the range holds a truncate, and when the changes touch more than half the groups (reading those
+again and merging costs more than reading everything: ``bench/pipeline.py``). No column or
+trigger on the source is needed.
 """
 
 from __future__ import annotations
@@ -94,6 +96,11 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
     after = changes.where(F.col("change_op") != "D").select(spark_column(group_by))
     groups = [row[0] for row in before.union(after).distinct().collect()]
     old = spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn")
+    known = old.count()
+    if len(groups) * 2 > known:
+        # Reading more than half the groups again, and merging, costs more than reading them all.
+        changes.unpersist()
+        return f"full ({len(groups)} of {known} groups changed)"
     if groups:
         recomputed = _aggregate(read_table(spark, table, snap, columns=[group_by, measure],
                                            where=_in_groups(snap, group_by, groups)), group_by, measure)

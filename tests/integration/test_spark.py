@@ -271,7 +271,7 @@ FEED_ROUNDS = [
     ["INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(2001, 2030) g",
      "INSERT INTO orders VALUES (3001, 99, 1), (3002, NULL, 2)",
      "UPDATE orders SET total = 0 WHERE id BETWEEN 1 AND 15",
-     "UPDATE orders SET customer_id = 21 WHERE id BETWEEN 16 AND 25",
+     "UPDATE orders SET customer_id = 201 WHERE id BETWEEN 16 AND 25",
      "DELETE FROM orders WHERE id BETWEEN 26 AND 40",
      "UPDATE orders SET id = id + 10000 WHERE id BETWEEN 41 AND 43"],
     ["DELETE FROM orders WHERE customer_id = 7",
@@ -296,7 +296,8 @@ def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_rou
     target_db.execute(ddl)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
     create_slot(source_db)
-    source_db.execute("INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(1, 2000) g")
+    # 200 groups: each round below touches fewer than half of them (else a run recomputes in full)
+    source_db.execute("INSERT INTO orders SELECT g, g % 200, g * 0.5 FROM generate_series(1, 2000) g")
     run_worker(source_db, target_db, "--change-feed", "all")
     first = _pipeline(tmp_path, target_db)
     assert first["mode"] == "full (no previous result with a key index)"
@@ -326,6 +327,13 @@ def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_rou
         assert _result(spark, tmp_path) == _expected(target_db, state["commit_lsn"]), n
         assert not (tmp_path / previous["data"]).exists() or previous["data"] == state["data"]
         previous = state
+    # Changes in every group: reading them all again costs less than merging, so it does.
+    source_db.execute("UPDATE orders SET total = total + 1")
+    run_worker(source_db, target_db, "--change-feed", "all")
+    state = _pipeline(tmp_path, target_db)
+    assert state["mode"] == "full (4 of 4 groups changed)", state
+    assert _result(spark, tmp_path) == _expected(target_db, state["commit_lsn"])
+    previous = state
     assert _pipeline(tmp_path, target_db, "--full")["mode"] == "full (--full)"
     assert _result(spark, tmp_path) == _expected(target_db, previous["commit_lsn"])
 

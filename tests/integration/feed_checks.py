@@ -58,8 +58,10 @@ def check_feed(source_db, target_db, table: str, key: Sequence[str] = ("id",)) -
     by_lsn = {next(iter(v))[0] for v in per_xid.values()}
     assert len(by_lsn) == len(per_xid), f"{table}: two transactions with one commit LSN"
     if key:
-        assert replay(target_db, table, columns, key) == rows(target_db, table, columns), \
-            f"{table}: the recorded changes do not rebuild the table"
+        rebuilt, actual = replay(target_db, table, columns, key), rows(target_db, table, columns)
+        assert rebuilt == actual, (f"{table}: the recorded changes do not rebuild the table: replay "
+                                   f"has {sorted(set(rebuilt) - set(actual))[:5]}, the table "
+                                   f"{sorted(set(actual) - set(rebuilt))[:5]}")
     return found
 
 

@@ -93,8 +93,8 @@ class SqlBookkeeping:
             return []
         rows = self._rows(
             "SELECT source_gid, prepare_time, prepare_lsn::text, changes "
-            "FROM applier.prepared_transactions WHERE slot_name = %(slot)s AND mode = 'defer' "
-            "ORDER BY prepare_lsn", {"slot": slot})
+            "FROM applier.prepared_transactions p WHERE slot_name = %(slot)s AND mode = 'defer' "
+            "ORDER BY p.prepare_lsn", {"slot": slot})
         return [{"gid": r[0], "prepared": r[1], "prepare_lsn": r[2], "changes": r[3],
                  "mode": "defer"} for r in rows]
 

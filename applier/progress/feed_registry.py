@@ -97,7 +97,7 @@ _REGISTERED = """
 """
 _PARTITIONS = """
     SELECT partition_name, from_lsn::text, to_lsn::text, opened_lsn::text, created_at
-    FROM applier.change_partitions WHERE change_table = %(name)s ORDER BY from_lsn
+    FROM applier.change_partitions p WHERE change_table = %(name)s ORDER BY p.from_lsn
 """
 
 

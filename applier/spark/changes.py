@@ -171,9 +171,11 @@ def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[st
 
 
 def _last_truncate(snapshot: Snapshot, span: ChangeRange, where: str) -> tuple[str, int] | None:
-    found = snapshot.query(f"SELECT change_commit_lsn::text, change_seq FROM {span.qualified} "
+    # Ordered by the pg_lsn column (c.), not by the text of it that the query returns under the
+    # same name: as text, 0/F011B70 sorts after 0/17420F88.
+    found = snapshot.query(f"SELECT change_commit_lsn::text, change_seq FROM {span.qualified} c "
                            f"WHERE {where} AND change_op = 'T' "
-                           "ORDER BY change_commit_lsn DESC, change_seq DESC LIMIT 1")
+                           "ORDER BY c.change_commit_lsn DESC, c.change_seq DESC LIMIT 1")
     return (found[0][0], int(found[0][1])) if found else None
 
 

@@ -19,7 +19,7 @@ def changes(target_db, table: str, columns: Sequence[str] = ()) -> list[tuple]:
     cols = "".join(f", {c}::text" for c in columns)
     return target_db.query(
         f"SELECT change_commit_lsn::text, change_commit_time, change_xid, change_seq, "
-        f"change_op::text{cols} FROM {change_table(table)} ORDER BY change_commit_lsn, change_seq")
+        f"change_op::text{cols} FROM {change_table(table)} c ORDER BY c.change_commit_lsn, c.change_seq")
 
 
 def replay(target_db, table: str, columns: Sequence[str], key: Sequence[str]) -> list[tuple]:

@@ -319,3 +319,22 @@ def test_status_shows_the_retained_range_and_size(source_db, target_db) -> None:
                            "--target", target_db.dsn, "--slot", "s"],
                           capture_output=True, text=True, cwd=REPO, timeout=60).stdout
     assert "change feed" in text and "public.pk_t" in text
+
+
+def test_partitions_are_in_lsn_order_across_a_longer_lsn(target_db) -> None:
+    """As text 0/10000000 sorts before 0/F000000: the registry orders by the LSN, not its text
+    (the newest partition decides where the next one starts)."""
+    import psycopg
+
+    from applier.progress.feed_registry import FeedRegistry
+    from applier.progress.schema import make_engine, upgrade_schema
+    from applier.protocol.lsn import LSN
+
+    upgrade_schema(make_engine(target_db.dsn))
+    bounds = [("0/0", "0/F000000"), ("0/F000000", "0/10000000"), ("0/10000000", "1/0")]
+    for n, (lower, upper) in enumerate(bounds, 1):
+        target_db.execute("INSERT INTO applier.change_partitions VALUES ('t', %s, %s, %s, %s, now())",
+                          (f"{n}:t", lower, upper, lower))
+    with psycopg.connect(target_db.dsn) as conn:
+        found = FeedRegistry(conn).partitions("t")
+    assert [(p.from_lsn, p.to_lsn) for p in found] == [(LSN.parse(lo), LSN.parse(hi)) for lo, hi in bounds]

@@ -14,6 +14,14 @@
  * A run holds values of one format (text or binary, NULLs aside); a row in the other format is
  * the ordinary path's.
  *
+ * A run of a table the change feed records (--change-feed; not deletes, whose change rows the
+ * target's old rows give) also keeps a change row for every change it takes, unfolded, in its
+ * ``feed`` buffer, in the run's format: the meta of the change (the commit LSN, commit time and
+ * xid of its transaction, its order in it, the operation), then the row's values; the fast path
+ * writes them to the change table by COPY in the same target transaction. A change row needs the
+ * change table's partition for its commit LSN: the lane writes one only below ``feed_until``
+ * (every change table has its partition there), else it stops and the ordinary path creates it.
+ *
  * The lane takes what it is sure of and stops at the first payload it is not, saying why
  * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
  * reports every malformed message, so the lane has no errors of its own. It keeps no state
@@ -27,8 +35,31 @@
 #include <Python.h>
 #include <structmember.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <time.h>
 
 #include "../protocol/_wire.h"
+
+/* ---- Change rows of a recorded table, in a run ----------------------------------------------- */
+
+typedef struct {
+    PyObject *data;          /* bytearray of change rows (COPY text lines or binary tuples), or None */
+    Py_ssize_t rows;         /* change rows in data */
+} Feed;
+
+/* A run's feed: an empty buffer when ``record`` (the table is recorded), else None. */
+static int
+feed_init(Feed *feed, int record)
+{
+    feed->data = record ? PyByteArray_FromStringAndSize(NULL, 0) : Py_NewRef(Py_None);
+    feed->rows = 0;
+    return feed->data == NULL ? -1 : 0;
+}
+
+#define FEED_MEMBERS(type)                                                                        \
+    {"feed", T_OBJECT_EX, offsetof(type, feed.data), READONLY,                                   \
+     "change rows (COPY text lines or binary tuples: meta, then the row), or None: not recorded"}, \
+    {"feed_rows", T_PYSSIZET, offsetof(type, feed.rows), READONLY, "change rows in feed"}
 
 /* ---- Run: inserts as COPY text or binary --------------------------------------------------- */
 
@@ -38,16 +69,17 @@ typedef struct {
     Py_ssize_t columns;      /* values per row */
     Py_ssize_t rows;         /* rows in data */
     int binary;              /* values in binary: data holds COPY binary tuples */
+    Feed feed;               /* the change rows of a recorded table */
 } RunObject;
 
 static PyObject *
 run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     Py_ssize_t columns;
-    int binary = 0;
+    int binary = 0, record = 0;
     RunObject *self;
-    static char *keywords[] = {"columns", "binary", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|p", keywords, &columns, &binary))
+    static char *keywords[] = {"columns", "binary", "feed", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n|pp", keywords, &columns, &binary, &record))
         return NULL;
     if (columns < 1) {
         PyErr_SetString(PyExc_ValueError, "Run(columns): at least one column");
@@ -57,7 +89,7 @@ run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     if (self == NULL)
         return NULL;
     self->data = PyByteArray_FromStringAndSize(NULL, 0);
-    if (self->data == NULL) {
+    if (self->data == NULL || feed_init(&self->feed, record) < 0) {
         Py_DECREF(self);
         return NULL;
     }
@@ -70,6 +102,7 @@ static void
 run_dealloc(RunObject *self)
 {
     Py_XDECREF(self->data);
+    Py_XDECREF(self->feed.data);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -79,6 +112,7 @@ static PyMemberDef run_members[] = {
     {"columns", T_PYSSIZET, offsetof(RunObject, columns), READONLY, "values per row"},
     {"rows", T_PYSSIZET, offsetof(RunObject, rows), 0, "rows in data"},
     {"binary", T_INT, offsetof(RunObject, binary), READONLY, "values in binary (COPY binary tuples)"},
+    FEED_MEMBERS(RunObject),
     {NULL},
 };
 
@@ -87,8 +121,8 @@ static PyTypeObject RunType = {
     .tp_name = "applier.apply._lane.Run",
     .tp_basicsize = sizeof(RunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Run(columns, binary=False)\n--\n\nInserts into one table, as COPY text lines or "
-              "(binary) COPY binary tuples.",
+    .tp_doc = "Run(columns, binary=False, feed=False)\n--\n\nInserts into one table, as COPY text "
+              "lines or (binary) COPY binary tuples; with feed, their change rows too.",
     .tp_new = run_new,
     .tp_dealloc = (destructor)run_dealloc,
     .tp_members = run_members,
@@ -107,6 +141,7 @@ typedef struct {
     PyObject *rows;          /* list of tuples (bytes or None), one per key, in first-seen order */
     PyObject *index;         /* dict: key values (tuple) -> position in rows */
     Py_ssize_t changes;      /* updates recorded, folded ones included */
+    Feed feed;               /* the change rows of a recorded table (updates) */
 } KeyRunObject;
 
 static PyObject *
@@ -114,11 +149,11 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     Py_ssize_t columns, i;
     PyObject *keys;
-    int whole_rows, binary = 0;
+    int whole_rows, binary = 0, record = 0;
     KeyRunObject *self;
-    static char *keywords[] = {"columns", "keys", "whole_rows", "binary", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!p|p", keywords, &columns, &PyTuple_Type, &keys,
-                                     &whole_rows, &binary))
+    static char *keywords[] = {"columns", "keys", "whole_rows", "binary", "feed", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "nO!p|pp", keywords, &columns, &PyTuple_Type, &keys,
+                                     &whole_rows, &binary, &record))
         return NULL;
     if (columns < 1 || PyTuple_GET_SIZE(keys) < 1) {
         PyErr_SetString(PyExc_ValueError, "KeyRun(): at least one column and one key");
@@ -135,7 +170,8 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->key_at = PyMem_New(Py_ssize_t, self->nkeys);
     self->rows = PyList_New(0);
     self->index = PyDict_New();
-    if (self->key_at == NULL || self->rows == NULL || self->index == NULL) {
+    if (self->key_at == NULL || self->rows == NULL || self->index == NULL
+        || feed_init(&self->feed, record && whole_rows) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -161,6 +197,7 @@ key_run_dealloc(KeyRunObject *self)
     Py_XDECREF(self->keys);
     Py_XDECREF(self->rows);
     Py_XDECREF(self->index);
+    Py_XDECREF(self->feed.data);
     PyMem_Free(self->key_at);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -274,6 +311,7 @@ static PyMemberDef key_run_members[] = {
     {"binary", T_INT, offsetof(KeyRunObject, binary), READONLY, "values in binary"},
     {"changes", T_PYSSIZET, offsetof(KeyRunObject, changes), READONLY,
      "changes recorded, folded ones included"},
+    FEED_MEMBERS(KeyRunObject),
     {NULL},
 };
 
@@ -295,9 +333,10 @@ static PyTypeObject KeyRunType = {
     .tp_name = "applier.apply._lane.KeyRun",
     .tp_basicsize = sizeof(KeyRunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "KeyRun(columns, keys, whole_rows, binary=False)\n--\n\nUpdates of every column "
-              "(whole_rows) or deletes of one table by key, folded by key, values in text or "
-              "(binary) binary; len() is the rows they change.",
+    .tp_doc = "KeyRun(columns, keys, whole_rows, binary=False, feed=False)\n--\n\nUpdates of every "
+              "column (whole_rows) or deletes of one table by key, folded by key, values in text or "
+              "(binary) binary; len() is the rows they change. With feed (updates), the change "
+              "rows of every update, unfolded.",
     .tp_new = key_run_new,
     .tp_dealloc = (destructor)key_run_dealloc,
     .tp_members = key_run_members,
@@ -335,6 +374,16 @@ typedef struct {
     /* within one take(): the run last found */
     PyObject *cached_run;
     unsigned int cached_relation;
+    /* the change feed: the stamp of the transaction whose changes are taken (from its Begin, or
+     * set_stamp() for the changes of an open one), and its change rows' text meta */
+    unsigned long long feed_until;  /* change rows only for a commit LSN below this */
+    int stamped;                 /* the stamp is known: change rows may be written */
+    unsigned long long stamp_lsn;
+    long long stamp_time;        /* microseconds since 2000-01-01 UTC */
+    unsigned int stamp_xid;
+    long long seq;               /* change rows the transaction has so far */
+    char prefix[80];             /* "LSN\ttime\txid\t", made when first needed */
+    Py_ssize_t prefix_len;       /* 0: not made yet */
 } LaneObject;
 
 static int
@@ -447,12 +496,123 @@ put_be32(char *out, uint32_t v)
     return out;
 }
 
+static char *
+put_be64(char *out, uint64_t v)
+{
+    return put_be32(put_be32(out, (uint32_t)(v >> 32)), (uint32_t)v);
+}
+
+/* The values of the tuple at p[pos..] (checked by check_tuple) into out: as a COPY text line
+ * (escaped, tab-separated, newline-ended), or as binary fields (each value's length and bytes;
+ * NULL: -1) without the field count. */
+static char *
+put_values(char *out, const unsigned char *p, Py_ssize_t pos, Py_ssize_t natts, int binary)
+{
+    Py_ssize_t c;
+    for (c = 0; c < natts; c++) {
+        if (p[pos] == 'n') {
+            pos++;
+            if (binary)
+                out = put_be32(out, 0xFFFFFFFFu);
+            else {
+                *out++ = '\\';
+                *out++ = 'N';
+            }
+        }
+        else {
+            Py_ssize_t n = be32(p + pos + 1);
+            if (binary) {  /* the length word as received, then the value */
+                memcpy(out, p + pos + 1, 4 + n);
+                out += 4 + n;
+            }
+            else
+                out = escape_into(out, (const char *)p + pos + 5, n);
+            pos += 5 + n;
+        }
+        if (!binary)
+            *out++ = c + 1 < natts ? '\t' : '\n';
+    }
+    return out;
+}
+
+/* Whether the change in a recorded table's run may have its change row now: the stamp is known
+ * and the change table has its partition for the commit LSN. */
+static int
+feed_allowed(LaneObject *self, Feed *feed)
+{
+    return feed->data == Py_None || (self->stamped && self->stamp_lsn < self->feed_until);
+}
+
+/* The text meta of the transaction's change rows: commit LSN, commit time (UTC, microseconds),
+ * xid, each followed by a tab. */
+static void
+make_prefix(LaneObject *self)
+{
+    const long long day = 86400LL * 1000000LL;
+    /* 2000-01-01 (PostgreSQL's epoch) is 10,957 days after 1970-01-01 */
+    long long unix_us = self->stamp_time + 10957LL * day;
+    long long seconds = unix_us >= 0 ? unix_us / 1000000 : -((-unix_us + 999999) / 1000000);
+    time_t t = (time_t)seconds;
+    struct tm tm;
+    gmtime_r(&t, &tm);
+    self->prefix_len = snprintf(self->prefix, sizeof self->prefix,
+                                "%X/%X\t%04d-%02d-%02d %02d:%02d:%02d.%06lld+00\t%u\t",
+                                (unsigned int)(self->stamp_lsn >> 32), (unsigned int)self->stamp_lsn,
+                                tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+                                tm.tm_sec, unix_us - seconds * 1000000, self->stamp_xid);
+}
+
+/* The change row of the change at p (the tuple from pos: natts values, ``size`` bytes as COPY
+ * data, checked) into feed, after its meta; op: 'I' or 'U'. */
+static int
+feed_put(LaneObject *self, Feed *feed, char op, const unsigned char *p, Py_ssize_t pos,
+         Py_ssize_t natts, int binary, Py_ssize_t size)
+{
+    Py_ssize_t old = PyByteArray_GET_SIZE(feed->data), meta, seq_len = 0;
+    char text_seq[24];
+    char *out;
+    self->seq++;
+    if (binary)  /* four int8-sized meta values and the one-byte op, each behind its length */
+        meta = 4 * (4 + 8) + 4 + 1;
+    else {
+        if (self->prefix_len == 0)
+            make_prefix(self);
+        seq_len = snprintf(text_seq, sizeof text_seq, "%lld\t", self->seq);
+        meta = self->prefix_len + seq_len + 2;
+    }
+    if (PyByteArray_Resize(feed->data, old + meta + size) < 0)
+        return FAILED;
+    out = PyByteArray_AS_STRING(feed->data) + old;
+    if (binary) {  /* size counts the tuple's field count: replaced by one with the meta */
+        Py_ssize_t fields = 5 + natts;
+        *out++ = (char)(fields >> 8);
+        *out++ = (char)fields;
+        out = put_be64(put_be32(out, 8), self->stamp_lsn);
+        out = put_be64(put_be32(out, 8), (uint64_t)self->stamp_time);
+        out = put_be64(put_be32(out, 8), self->stamp_xid);
+        out = put_be64(put_be32(out, 8), (uint64_t)self->seq);
+        out = put_be32(out, 1);
+        *out++ = op;
+    }
+    else {
+        memcpy(out, self->prefix, self->prefix_len);
+        out += self->prefix_len;
+        memcpy(out, text_seq, seq_len);
+        out += seq_len;
+        *out++ = op;
+        *out++ = '\t';
+    }
+    put_values(out, p, pos, natts, binary);
+    feed->rows++;
+    return TAKEN;
+}
+
 /* An Insert ('I', [xid], relation id, 'N', tuple) as a COPY text line or binary tuple of its
  * table's Run. */
 static int
 lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
 {
-    Py_ssize_t natts, c, pos, size, value_bytes, old;
+    Py_ssize_t natts, size, value_bytes, old;
     RunObject *run;
     char *out;
 
@@ -464,48 +624,20 @@ lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
         return PyErr_Occurred() ? FAILED : NO_RUN;
     }
     natts = be16(p + 6);
-    if (natts != run->columns
+    if (natts != run->columns || !feed_allowed(self, &run->feed)
         || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes, &size) < 0)
         return REFUSED;
     old = PyByteArray_GET_SIZE(run->data);
     if (PyByteArray_Resize(run->data, old + size) < 0)
         return FAILED;
     out = PyByteArray_AS_STRING(run->data) + old;
-    pos = 8;
-    if (run->binary) {  /* field count, then each value as its length and bytes; NULL: -1 */
+    if (run->binary) {  /* field count, then each value as its length and bytes */
         *out++ = (char)(natts >> 8);
         *out++ = (char)natts;
-        for (c = 0; c < natts; c++) {
-            if (p[pos] == 'n') {
-                pos++;
-                out = put_be32(out, 0xFFFFFFFFu);
-            }
-            else {  /* the length word as received, then the value */
-                Py_ssize_t n = be32(p + pos + 1);
-                memcpy(out, p + pos + 1, 4 + n);
-                out += 4 + n;
-                pos += 5 + n;
-            }
-        }
-        run->rows++;
-        self->inserts++;
-        self->bytes += value_bytes;
-        return TAKEN;
     }
-    for (c = 0; c < natts; c++) {
-        if (p[pos] == 'n') {
-            pos++;
-            *out++ = '\\';
-            *out++ = 'N';
-        }
-        else {
-            Py_ssize_t n = be32(p + pos + 1);
-            pos += 5;
-            out = escape_into(out, (const char *)p + pos, n);
-            pos += n;
-        }
-        *out++ = c + 1 < natts ? '\t' : '\n';
-    }
+    put_values(out, p, 8, natts, run->binary);
+    if (run->feed.data != Py_None && feed_put(self, &run->feed, 'I', p, 8, natts, run->binary, size) < 0)
+        return FAILED;
     run->rows++;
     self->inserts++;
     self->bytes += value_bytes;
@@ -519,7 +651,7 @@ lane_insert(LaneObject *self, const unsigned char *p, Py_ssize_t len)
 static int
 lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
 {
-    Py_ssize_t natts, c, pos, value_bytes;
+    Py_ssize_t natts, c, pos, value_bytes, size = 0;
     KeyRunObject *run;
     PyObject *row;
 
@@ -538,9 +670,12 @@ lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
         return NO_RUN;
     }
     natts = be16(p + 6);
-    if (natts != run->columns
-        || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes, NULL) < 0)
+    if (natts != run->columns || !feed_allowed(self, &run->feed)
+        || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes,
+                       run->feed.data != Py_None ? &size : NULL) < 0)
         return REFUSED;
+    if (run->feed.data != Py_None && feed_put(self, &run->feed, 'U', p, 8, natts, run->binary, size) < 0)
+        return FAILED;
     row = PyTuple_New(natts);
     if (row == NULL)
         return FAILED;
@@ -599,6 +734,8 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->reason = LANE_END;
     self->inserts = self->updates = self->deletes = self->bytes = self->transactions = 0;
+    if (self->whole)
+        self->stamped = 0;
     self->cached_run = NULL;
     for (; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(payloads, i);
@@ -631,12 +768,19 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             open = 1;
             open_xid = be32(p + 17);
             open_begin = item;
+            self->stamped = 1;
+            self->stamp_lsn = open_final;
+            self->stamp_time = (long long)be64(p + 9);
+            self->stamp_xid = open_xid;
+            self->seq = 0;
+            self->prefix_len = 0;
             continue;
         }
         if (len == 26 && p[0] == 'C' && open && p[1] == 0 && be64(p + 2) == open_final) {
             open = 0;
             open_begin = NULL;
             last_commit = item;
+            self->stamped = 0;
             self->xid = open_xid;
             self->transactions++;
             if (self->inserts + self->updates + self->deletes >= self->rows_room
@@ -682,6 +826,28 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(i);
 }
 
+/* set_stamp(commit_lsn, commit_time, xid, seq) or set_stamp(None): the stamp of the open
+ * transaction whose changes the next take() takes (None: its change rows are not for the lane). */
+static PyObject *
+lane_set_stamp(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs == 1 && args[0] == Py_None) {
+        self->stamped = 0;
+        Py_RETURN_NONE;
+    }
+    if (nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "set_stamp(commit_lsn, commit_time, xid, seq) or set_stamp(None)");
+    self->stamp_lsn = PyLong_AsUnsignedLongLong(args[0]);
+    self->stamp_time = PyLong_AsLongLong(args[1]);
+    self->stamp_xid = (unsigned int)PyLong_AsUnsignedLong(args[2]);
+    self->seq = PyLong_AsLongLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    self->stamped = 1;
+    self->prefix_len = 0;
+    Py_RETURN_NONE;
+}
+
 static PyMemberDef lane_members[] = {
     {"runs", T_OBJECT_EX, offsetof(LaneObject, runs), READONLY, "relation id -> Run or KeyRun"},
     {"whole", T_INT, offsetof(LaneObject, whole), 0, "take whole transactions"},
@@ -706,12 +872,20 @@ static PyMemberDef lane_members[] = {
     {"commit", T_OBJECT, offsetof(LaneObject, commit), READONLY, "the last Commit payload taken"},
     {"begin", T_OBJECT, offsetof(LaneObject, begin), READONLY,
      "the Begin payload of a transaction left open"},
+    {"feed_until", T_ULONGLONG, offsetof(LaneObject, feed_until), 0,
+     "change rows only for a commit LSN below this (every change table has its partition)"},
+    {"seq", T_LONGLONG, offsetof(LaneObject, seq), READONLY,
+     "change rows of the open (or last) transaction so far: the last one's order"},
     {NULL},
 };
 
 static PyMethodDef lane_methods[] = {
     {"take", (PyCFunction)(void (*)(void))lane_take, METH_FASTCALL,
      "take(payloads, start)\n--\n\nTake payloads from start on; the index of the first not taken."},
+    {"set_stamp", (PyCFunction)(void (*)(void))lane_set_stamp, METH_FASTCALL,
+     "set_stamp(commit_lsn, commit_time, xid, seq)\n--\n\nThe stamp of the open transaction whose "
+     "changes take() takes next (commit_time: microseconds since 2000-01-01), or None: its "
+     "change rows are not the lane's."},
     {NULL, NULL, 0, NULL},
 };
 

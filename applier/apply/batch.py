@@ -15,10 +15,12 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   It is sent where it began, as one COPY or as multi-row UPDATEs or DELETEs, so a change that
   must follow its rows (another kind
   of change of that table, a barrier) closes it first;
-- a table the change feed records (``--change-feed``) has no run; the change row of each insert
-  and of each update that sent every column (and the old key of a moved row) is kept from the
-  values the source sent, per table (``FeedRows``), and written as one COPY or multi-row INSERT
-  before the next barrier or the part's end, so its data folds as any other table's; an update
+- a table the change feed records (``--change-feed``) has runs of inserts and updates, whose
+  change rows the lane keeps in the run (``Run.feed``), sent after the run's data; the change
+  row of each insert and of each update that sent every column (and the old key of a moved row)
+  on the ordinary path is kept from the values the source sent, per table (``FeedRows``), and
+  written as one COPY or multi-row INSERT before the next barrier or the part's end, so its
+  data folds as any other table's; an update
   that left a TOAST value unchanged, an update of a table that is not independent and every
   delete instead record their change rows from the target's rows (``RETURNING``, ``Op.meta``),
   are never folded, and end folding for their key;
@@ -66,6 +68,8 @@ __all__ = ["Batch", "BatchStatement", "KeyRun", "Run"]
 
 #: A run's kind (the type byte of the changes it takes) -> its op kind.
 _RUN_OPS = {"I": COPY, "U": UPDATES, "D": DELETES}
+#: Above every commit LSN.
+_NO_LIMIT = 2**64 - 1
 
 
 class Batch:
@@ -117,6 +121,16 @@ class Batch:
         self._open[relation_id] = op
         self.runs[relation_id] = run
         self._ops.append(op)
+
+    def recorded_until(self) -> int:
+        """The commit LSN below which the change table of every recorded table with an open run
+        has its partition (the lane writes change rows only below it)."""
+        until = _NO_LIMIT
+        for op in self._open.values():
+            change_table = op.mapping.feed  # type: ignore[union-attr]
+            if change_table is not None and change_table.newest.to_lsn < until:
+                until = int(change_table.newest.to_lsn)
+        return until
 
     def _close_run(self, relation_id: int) -> None:
         if self._open.pop(relation_id, None) is not None:
@@ -185,6 +199,8 @@ class Batch:
             if (op is not None and op.kind == UPDATES and old is None
                     and in_format(new.kinds, op.run.binary)):  # type: ignore[union-attr]
                 op.run.add(new.values)  # type: ignore[union-attr, arg-type]
+                if meta is not None:  # a recorded table's run (of every column, by key)
+                    self._feed_row(mapping, meta, "U", new)
                 return
             self._close_runs(mapping)
         assigned = present_columns(new)
@@ -257,7 +273,7 @@ class Batch:
         self._count(old)
         if self._open:
             op = self._open.get(mapping.relation.relation_id)
-            if (op is not None and op.kind == DELETES
+            if (op is not None and op.kind == DELETES and meta is None
                     and in_format(old.kinds, op.run.binary)):  # type: ignore[union-attr]
                 op.run.add(old.values)  # type: ignore[union-attr, arg-type]
                 return

@@ -99,6 +99,8 @@ class Run(Protocol):
     columns: int
     rows: int
     binary: bool
+    feed: bytearray | None   # a recorded table's change rows (meta, then the row), else None
+    feed_rows: int
 
 
 class KeyRun(Protocol):
@@ -110,6 +112,8 @@ class KeyRun(Protocol):
     whole_rows: bool
     binary: bool
     changes: int
+    feed: bytearray | None   # a recorded table's updates' change rows, unfolded, else None
+    feed_rows: int
 
     def __len__(self) -> int: ...
 

@@ -134,9 +134,12 @@ class Emitter:
                                      copy_run.rows, data)
             elif copy_run.rows:
                 yield from self._short_run(first.mapping, copy_run)
+            yield from self._run_feed(first.mapping, copy_run)
             return
         if first.kind == UPDATES or first.kind == DELETES:
             yield from self._by_key(first)
+            assert first.mapping is not None
+            yield from self._run_feed(first.mapping, first.run)  # type: ignore[arg-type]
             return
         if first.kind == FEED_ROWS:
             yield from feed_sql.feed_rows(first.run, self._sql)  # type: ignore[arg-type]
@@ -156,6 +159,12 @@ class Emitter:
                 yield self._chunk(chunk)
             else:
                 yield feed_sql.recorded(chunk, self._sql, self._guard)
+
+    def _run_feed(self, mapping: RelationMapping, run: Run | KeyRun) -> list[BatchStatement]:
+        """The change rows the lane kept in a recorded table's run."""
+        if mapping.feed is None or run.feed is None or not run.feed_rows:
+            return []
+        return feed_sql.run_rows(mapping, run.feed, run.feed_rows, run.binary, self._sql)
 
     def _by_key(self, op: Op) -> Iterator[BatchStatement]:
         """A KeyRun as multi-row UPDATEs or DELETEs by key, shaped (and so prepared) as the

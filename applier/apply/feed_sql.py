@@ -6,7 +6,8 @@ count, so the fast path's checks still hold:
 
 * change rows written from the values the source sent (``FeedRows``: inserts, updates of every
   column, old keys of moved rows), each after its meta: one COPY per table and value format from
-  ``COPY_MIN_ROWS`` rows on, else multi-row INSERTs;
+  ``COPY_MIN_ROWS`` rows on, else multi-row INSERTs; likewise the change rows the lane kept in a
+  run (``run_rows``: COPY data already, meta included);
 * updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
   FROM (VALUES ...)`` (or ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from
   its VALUES row and the whole new (or old) row, ``INSERT INTO <change table> SELECT ... FROM c``,
@@ -27,12 +28,12 @@ from ..progress import feed as layout
 from ..progress.feed import META_TYPES
 from ..protocol.messages import KIND_BINARY
 from .batch_ops import COPY_MIN_ROWS, FORMATS, UPDATE, BatchStatement, FeedRows, Op, chunks, collect
-from .copy import copy_binary, copy_binary_data, copy_text
+from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_text, copy_text_rows
 from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
 from .statements import OLD, column, delete_sql, placeholder, table, update_sql
 
-__all__ = ["META_PARAMS", "feed_rows", "rows_sql", "update_rows_sql", "delete_rows_sql", "single_sql",
+__all__ = ["META_PARAMS", "feed_rows", "run_rows", "rows_sql", "update_rows_sql", "delete_rows_sql", "single_sql",
            "recorded", "moved"]
 
 #: Parameters of a change row's meta (commit LSN, time, xid, order; the op is a literal).
@@ -87,7 +88,6 @@ def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
     binary = [r for r in rows.rows if KIND_BINARY in r[2].kinds]
     text = [r for r in rows.rows if KIND_BINARY not in r[2].kinds] if binary else rows.rows
     columns = [c.name for c in mapping.target_columns]
-    every = tuple(range(len(columns)))
     for group, is_binary in ((text, False), (binary, True)):
         if len(group) >= COPY_MIN_ROWS:
             if is_binary:
@@ -99,20 +99,42 @@ def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
             statements.append(BatchStatement(None, layout.copy_sql(change_table, columns, is_binary),
                                              [], [], len(group), data))
             continue
-        for position, size in chunks(len(group), len(every) + META_PARAMS + 1):
-            values: list[bytes | None] = []
-            formats: list[int] = []
-            for meta, op, row in group[position:position + size]:
-                values.extend(text_meta(meta))
-                values.append(op.encode())
-                values.extend(row.values)  # type: ignore[arg-type]
-                formats.extend((0, 0, 0, 0, 0))
-                formats.extend(row.kinds.translate(FORMATS))
-            key = (("feed rows", mapping.relation.relation_id), size)
-            statement = cache.get(key)
-            if statement is None:
-                statement = cache[key] = rows_sql(mapping, every, size)
-            statements.append(BatchStatement(key, statement, values, formats, size))
+        statements.extend(_inserts(mapping, [
+            ([*text_meta(meta), op.encode(), *row.values],  # type: ignore[list-item]
+             [0, 0, 0, 0, 0, *row.kinds.translate(FORMATS)]) for meta, op, row in group], cache))
+    return statements
+
+
+def run_rows(mapping: RelationMapping, data: bytes | bytearray, rows: int, binary: bool,
+             cache: dict[tuple, str]) -> list[BatchStatement]:
+    """The change rows the lane kept in a run (COPY text lines or binary tuples, each its meta
+    then every column): one COPY from COPY_MIN_ROWS rows on, else multi-row INSERTs."""
+    change_table = mapping.feed
+    assert change_table is not None
+    if rows >= COPY_MIN_ROWS:
+        columns = [c.name for c in mapping.target_columns]
+        return [BatchStatement(None, layout.copy_sql(change_table, columns, binary), [], [], rows,
+                               copy_binary_data(data) if binary else data)]
+    values = copy_binary_rows(data) if binary else copy_text_rows(data)
+    return _inserts(mapping, [(list(row), [int(binary)] * len(row)) for row in values], cache)
+
+
+def _inserts(mapping: RelationMapping, rows: list[tuple[list[bytes | None], list[int]]],
+             cache: dict[tuple, str]) -> list[BatchStatement]:
+    """Change rows (each its values, meta first, and their formats) as multi-row INSERTs."""
+    every = tuple(range(len(mapping.target_columns)))
+    statements = []
+    for position, size in chunks(len(rows), len(every) + META_PARAMS + 1):
+        values: list[bytes | None] = []
+        formats: list[int] = []
+        for row_values, row_formats in rows[position:position + size]:
+            values.extend(row_values)
+            formats.extend(row_formats)
+        key = (("feed rows", mapping.relation.relation_id), size)
+        statement = cache.get(key)
+        if statement is None:
+            statement = cache[key] = rows_sql(mapping, every, size)
+        statements.append(BatchStatement(key, statement, values, formats, size))
     return statements
 
 

@@ -11,6 +11,12 @@ one is then mostly C: no message object, no call per change. Whatever the lane d
 whose values are not all in its run's format, anything malformed) it leaves where it stopped,
 and the ordinary path (decoder, assembler, apply) takes it, so every check and error stays there.
 
+A table the change feed records gets runs that also keep each change's change row (inserts and
+updates; its deletes are the ordinary path's, whose change rows are the target's old rows). The
+rows carry their transaction's stamp and order: the C lane reads the stamp from a Begin it takes;
+for the changes of a transaction open on the ordinary path, ``LaneHost.lane_stamp`` gives it,
+and the order reached goes back to it (``lane_seq``) whenever that path takes the transaction on.
+
 Must never hold a transaction across a return: one still open when the C lane stops is handed
 back (its Begin fed to the assembler), so the ordinary path finishes it and a batch is never
 committed in the middle of a source transaction. Without the C accelerator there is no lane and
@@ -30,7 +36,13 @@ from ..protocol.messages import ROW_CHANGE_TYPES, Commit, MessageType
 from .batch import KeyRun, Run
 from .fastpath import LaneRoom
 
-__all__ = ["Lane", "LaneHost", "core", "lane_for"]
+__all__ = ["Lane", "LaneHost", "RunMaker", "Stamp", "core", "lane_for"]
+
+#: A run made from (columns, key positions, whether the change feed records the table).
+RunMaker = Callable[[int, tuple[int, ...], bool], "Run | KeyRun"]
+#: A transaction's change-row stamp: commit LSN, commit time (microseconds since 2000-01-01),
+#: xid, change rows so far.
+Stamp = tuple[int, int, int, int]
 
 #: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
@@ -48,10 +60,17 @@ class LaneHost(Protocol):
         """May the lane take payloads now, and how far. ``whole``: it would take whole
         transactions; else the changes of the open one."""
 
-    def lane_run(self, relation_id: int, kind: str,
-                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
+    def lane_run(self, relation_id: int, kind: str, make_run: RunMaker) -> bool:
         """Give the relation's changes of one kind ("I", "U" or "D") a run in the batch, made by
-        ``make_run(columns, key positions)``, if its table can take them."""
+        ``make_run(columns, key positions, recorded)``, if its table can take them."""
+
+    def lane_stamp(self) -> tuple[int, Stamp | None]:
+        """The change feed: the commit LSN below which every change table has its partition, and
+        the stamp (commit LSN, commit time in microseconds since 2000-01-01, xid, order so far) of
+        the open transaction, or None when its change rows are not the lane's to write."""
+
+    def lane_seq(self, seq: int) -> None:
+        """The open transaction's change rows so far, the lane's included."""
 
     def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
                   transactions: int, last: TransactionEnd | None) -> None:
@@ -74,10 +93,10 @@ class Lane:
         # A run for each kind of change, made from (columns, key positions), in the format of
         # the values of the change that asked for it (``Lane.binary``).
         lane = self._lane
-        self._makers: dict[str, Callable[[int, tuple[int, ...]], Run | KeyRun]] = {
-            "I": lambda columns, keys: module.Run(columns, lane.binary),
-            "U": lambda columns, keys: module.KeyRun(columns, keys, True, lane.binary),
-            "D": lambda columns, keys: module.KeyRun(columns, keys, False, lane.binary),
+        self._makers: dict[str, RunMaker] = {
+            "I": lambda columns, keys, feed: module.Run(columns, lane.binary, feed),
+            "U": lambda columns, keys, feed: module.KeyRun(columns, keys, True, lane.binary, feed),
+            "D": lambda columns, keys, feed: module.KeyRun(columns, keys, False, lane.binary),
         }
 
     def take(self, payloads: list[bytes], start: int, *,
@@ -107,6 +126,12 @@ class Lane:
                 room = sink.lane_room(whole)
             if room is None:
                 return index
+            lane.feed_until, stamp = sink.lane_stamp()
+            if not whole:  # whole: each Begin taken stamps its transaction
+                if stamp is None:
+                    lane.set_stamp(None)
+                else:
+                    lane.set_stamp(*stamp)
             lane.whole = whole
             lane.after, lane.part_room, lane.insert_part_room = room.after, room.part_rows, room.insert_part_rows
             lane.rows_room, lane.bytes_room = room.rows, room.bytes
@@ -121,7 +146,10 @@ class Lane:
             if lane.begin is not None:
                 assert hand_back is not None
                 hand_back(lane.begin)  # that transaction continues on the ordinary path
+                sink.lane_seq(lane.seq)
                 whole = False
+            elif not whole and stamp is not None:
+                sink.lane_seq(lane.seq)
             elif lane.transactions:
                 sink.lane_due()
             reason = lane.reason

@@ -9,7 +9,6 @@ allows (read through ``SeatOwner``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 from ..assembler import TransactionEnd
@@ -17,12 +16,16 @@ from ..protocol.lsn import LSN
 from .batch import KeyRun, Run
 from .fastpath import FastPath, LaneRoom
 from .handlers import Handlers
+from .lane import RunMaker, Stamp
 from .mapping import MappingError, RelationMapping
 from .relations import RelationCache
 from .sync_filter import SyncFilter
 from .transaction import TargetTransaction
 
 __all__ = ["LaneSeat", "SeatOwner"]
+
+#: Without a change feed: no change table, no stamp.
+_NO_FEED: tuple[int, Stamp | None] = (0, None)
 
 
 class SeatOwner(Protocol):
@@ -66,11 +69,11 @@ class LaneSeat:
             return None
         return self.fast.room(whole, LSN(max(tx.applied.commit_lsn, owner.careful_until)))
 
-    def lane_run(self, relation_id: int, kind: str,
-                 make_run: Callable[[int, tuple[int, ...]], Run | KeyRun]) -> bool:
+    def lane_run(self, relation_id: int, kind: str, make_run: RunMaker) -> bool:
         """A run for a table independent of others (and for updates and deletes, one with a key:
-        not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes the change (and
-        reports what is wrong with the relation, if anything)."""
+        not REPLICA IDENTITY FULL or NOTHING; for deletes, a table the change feed does not
+        record, since their change rows come from the target's rows). False: the ordinary path
+        takes the change (and reports what is wrong with the relation, if anything)."""
         owner = self.owner
         if relation_id not in owner.relations:
             return False
@@ -78,12 +81,25 @@ class LaneSeat:
             mapping = owner.mapping(relation_id)
         except MappingError:
             return False
-        if not mapping.table.independent or mapping.feed is not None:
-            return False  # the change feed's rows are written on the ordinary path
+        recorded = mapping.feed is not None
+        if not mapping.table.independent or (recorded and kind == "D"):
+            return False
         if kind != "I" and (not mapping.key_positions or mapping.full_identity):
             return False
-        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions), kind)
+        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions, recorded),
+                           kind)
         return True
+
+    def lane_stamp(self) -> tuple[int, Stamp | None]:
+        feed = self.owner.tx.feed
+        if feed is None:
+            return _NO_FEED
+        return self.fast.batch.recorded_until(), feed.lane_stamp()
+
+    def lane_seq(self, seq: int) -> None:
+        feed = self.owner.tx.feed
+        if feed is not None:
+            feed.stamp().seq = seq
 
     def lane_took(self, inserts: int, updates: int, deletes: int, value_bytes: int,
                   transactions: int, last: TransactionEnd | None) -> None:

@@ -154,6 +154,8 @@ class _Run:
 
     def __init__(self, columns: int, binary: bool = False) -> None:
         self.data, self.columns, self.rows, self.binary = bytearray(), columns, 0, binary
+        self.feed: bytearray | None = None  # not a recorded table
+        self.feed_rows = 0
 
     def take(self, rows: list[tuple[bytes | None, ...]]) -> None:
         """Rows as the lane writes them."""

@@ -4,13 +4,14 @@ path."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pgoutput_builder as pg
 import pytest
 
 from applier.apply.batch import Batch
-from applier.apply.copy import copy_binary, copy_text_pure
+from applier.apply.copy import copy_binary, copy_binary_rows, copy_text_pure
 from applier.apply.fastpath import LaneRoom
 from applier.apply.lane import core
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
@@ -170,8 +171,9 @@ def test_inside_a_transaction_only_its_changes_are_taken() -> None:
     assert _make_lane(runs, whole=False).take([pg.begin(0x100, 1000, 5)], 0) == 0  # no Begin inside
 
 
-def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True, binary: bool = False):
-    return _lane.KeyRun(columns, keys, whole_rows, binary)
+def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True, binary: bool = False,
+             feed: bool = False):
+    return _lane.KeyRun(columns, keys, whole_rows, binary, feed)
 
 
 def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None:
@@ -317,6 +319,12 @@ class _PartSink:
     def lane_due(self) -> None:
         pass
 
+    def lane_stamp(self) -> tuple[int, None]:
+        return 0, None  # no change feed
+
+    def lane_seq(self, seq: int) -> None:
+        pass
+
     def send_part(self) -> None:
         if self.inserts:
             self.parts.append(self.inserts)
@@ -339,3 +347,83 @@ def test_a_part_already_due_is_sent_before_the_lane_takes_a_whole_transaction() 
     second = _txn(0x200, 501, pg.insert(7, [b"2"]))
     assert lane.take(second, 0, hand_back=handed_back.append) == len(second)
     assert sink.parts == [4] and sink.inserts == 1
+
+
+# -- the change feed: change rows kept in a recorded table's runs ------------------------------------
+
+#: 2026-11-25 12:00:00.5 UTC, in microseconds since 2000-01-01.
+NOON = (9825 * 86400 + 12 * 3600) * 1_000_000 + 500_000
+
+
+def test_a_recorded_tables_inserts_and_updates_keep_a_change_row_each_after_their_meta() -> None:
+    runs = {7: _lane.Run(2, False, True), 8: _key_run(2, (0,), feed=True)}
+    payloads = (_txn(0x1_00000100, 500, pg.insert(7, [b"1", b"a\tb"]), pg.update(8, [b"1", None]),
+                     pg.update(8, [b"1", b"x"]), pg.insert(7, [b"2", None]))[:-1]
+                + [pg.commit(0, 0x1_00000100, 0x1_00000108, NOON)])
+    payloads[0] = pg.begin(0x1_00000100, NOON, 500)
+    lane = _make_lane(runs)
+    lane.feed_until = BIG
+    assert lane.take(payloads, 0) == len(payloads) and lane.reason == END
+    meta = b"1/100\t2026-11-25 12:00:00.500000+00\t500\t"
+    assert bytes(runs[7].data) == b"1\ta\\tb\n2\t\\N\n"  # the data, as without the feed
+    assert bytes(runs[7].feed) == meta + b"1\tI\t1\ta\\tb\n" + meta + b"4\tI\t2\t\\N\n"
+    assert runs[7].feed_rows == 2
+    assert len(runs[8]) == 1 and runs[8].params(0, 1) == [b"1", b"x", b"1"]  # folded
+    assert bytes(runs[8].feed) == meta + b"2\tU\t1\t\\N\n" + meta + b"3\tU\t1\tx\n"  # not folded
+    assert runs[8].feed_rows == 2 and lane.seq == 4
+
+
+def test_binary_change_rows_carry_their_meta_in_send_format() -> None:
+    runs = {7: _lane.Run(1, True, True)}
+    payloads = [pg.begin(0x200, NOON, 77), pg.insert(7, [pg.Binary(b"\x00\x01")]),
+                pg.commit(0, 0x200, 0x208, NOON)]
+    lane = _make_lane(runs)
+    lane.feed_until = BIG
+    assert lane.take(payloads, 0) == len(payloads)
+    fields = copy_binary_rows(runs[7].feed)
+    assert fields == [((0x200).to_bytes(8, "big"), NOON.to_bytes(8, "big"), (77).to_bytes(8, "big"),
+                       (1).to_bytes(8, "big"), b"I", b"\x00\x01")]
+
+
+def test_change_rows_wait_for_their_partition_and_for_a_known_stamp() -> None:
+    """At or above ``feed_until`` a change table may lack the partition for the commit LSN: the
+    lane stops there and the ordinary path (which creates it) takes the change. Inside a
+    transaction the stamp comes from ``set_stamp``; None (a commit not known yet) leaves every
+    recorded change to the ordinary path, and an unrecorded table's changes still go."""
+    runs = {7: _lane.Run(1, False, True), 8: _run(1)}
+    payloads = _txn(0x300, 9, pg.insert(8, [b"u"]), pg.insert(7, [b"r"]))
+    lane = _make_lane(runs)
+    lane.feed_until = 0x300
+    assert lane.take(payloads, 0) == 2 and lane.reason == FOREIGN and lane.begin == payloads[0]
+    assert runs[7].rows == runs[7].feed_rows == 0 and runs[8].rows == 1
+    inside = [pg.insert(8, [b"v"]), pg.insert(7, [b"s"])]
+    lane = _make_lane(runs, whole=False)
+    lane.feed_until = BIG
+    lane.set_stamp(None)
+    assert lane.take(inside, 0) == 1 and lane.reason == FOREIGN
+    lane.set_stamp(0x300, NOON, 9, 5)
+    assert lane.take(inside, 1) == 2 and runs[7].feed_rows == 1 and lane.seq == 6
+    assert bytes(runs[7].feed).startswith(b"0/300\t2026-11-25 12:00:00.500000+00\t9\t6\tI\t")
+
+
+def test_a_recorded_tables_run_sends_its_change_rows_after_its_data() -> None:
+    from applier.apply.batch_ops import COPY, Op
+    from applier.apply.batch_sql import Emitter
+    from applier.progress.feed import ChangeTable, Partition
+
+    mapping = _mapping(7, "items", ("name", "text"))
+    change_table = ChangeTable(1, "slot", "public", "items", "public.items", {}, LSN(0),
+                               Partition("1.1:public.items", LSN(0), LSN(BIG), LSN(0), None))  # type: ignore[arg-type]
+    mapping = dataclasses.replace(mapping, feed=change_table)
+    run = _lane.Run(2, False, True)
+    payloads = [pg.begin(0x300, NOON, 9), *(pg.insert(7, [b"%d" % i, b"n"]) for i in range(10)),
+                pg.commit(0, 0x300, 0x308, NOON)]
+    lane = _make_lane({7: run})
+    lane.feed_until = BIG
+    assert lane.take(payloads, 0) == len(payloads)
+    statements = list(Emitter().statements([Op(COPY, mapping, None, None, (COPY, 7, False), run=run)]))
+    assert [s.expected_rows for s in statements] == [10, 10]
+    data, changes = statements
+    assert data.sql.startswith('INSERT INTO "public"."items"')
+    assert changes.sql.startswith('INSERT INTO "applier_changes"."public.items"')
+    assert changes.values[:6] == [b"0/300", b"2026-11-25 12:00:00.500000+00", b"9", b"1", b"I", b"0"]

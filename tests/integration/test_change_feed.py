@@ -75,10 +75,11 @@ def _check_all(source_db, target_db) -> dict[str, list[tuple]]:
     return {t: check_feed(source_db, target_db, t, KEYS[t]) for t in TABLES}
 
 
-@pytest.mark.parametrize("path", ["fast", "careful"])
+@pytest.mark.parametrize("path", ["fast", "fast-binary", "careful"])
 def test_every_row_shape_on_the_fast_and_the_careful_path(source_db, target_db, path: str) -> None:
     """The careful path: a conflict in the last transaction sends the whole batch back to be
-    redone row by row, so every change row there comes from the careful path's statements."""
+    redone row by row, so every change row there comes from the careful path's statements.
+    fast-binary: values in binary, so the lane's change rows carry their meta in send format."""
     _setup(source_db, target_db)
     for statement in WORKLOAD:
         source_db.execute(statement)
@@ -87,6 +88,8 @@ def test_every_row_shape_on_the_fast_and_the_careful_path(source_db, target_db, 
         target_db.execute("INSERT INTO pk_t VALUES (5000, 'target', 0)")
         source_db.execute("INSERT INTO pk_t VALUES (5000, 'source', 1)")  # insert_exists
         extra = ("--batch-time", "60000", "--streaming", "off")
+    elif path == "fast-binary":
+        extra = ("--binary", "on")
     proc = run_worker(source_db, target_db, "--change-feed", "all", *extra, publication="pub,pub_ins")
     if path == "careful":
         assert "row by row" in proc.stderr

@@ -14,11 +14,11 @@
  * A run holds values of one format (text or binary, NULLs aside); a row in the other format is
  * the ordinary path's.
  *
- * A run of a table the change feed records (--change-feed; not deletes, whose change rows the
- * target's old rows give) also keeps a change row for every change it takes, unfolded, in its
- * ``feed`` buffer, in the run's format: the meta of the change (the commit LSN, commit time and
- * xid of its transaction, its order in it, the operation), then the row's values; the fast path
- * writes them to the change table by COPY in the same target transaction. A change row needs the
+ * A run of a table the change feed records (--change-feed) also keeps a change row for every
+ * change it takes, unfolded, in its ``feed`` buffer, in the run's format: the meta of the change
+ * (the commit LSN, commit time and xid of its transaction, its order in it, the operation), then
+ * the row's values (a delete's: its key); the fast path writes them to the change table in the
+ * same target transaction (by COPY; a delete's from the target's old row). A change row needs the
  * change table's partition for its commit LSN: the lane writes one only below ``feed_until``
  * (every change table has its partition there), else it stops and the ordinary path creates it.
  *
@@ -171,7 +171,7 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->rows = PyList_New(0);
     self->index = PyDict_New();
     if (self->key_at == NULL || self->rows == NULL || self->index == NULL
-        || feed_init(&self->feed, record && whole_rows) < 0) {
+        || feed_init(&self->feed, record) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
     }
@@ -335,8 +335,8 @@ static PyTypeObject KeyRunType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "KeyRun(columns, keys, whole_rows, binary=False, feed=False)\n--\n\nUpdates of every "
               "column (whole_rows) or deletes of one table by key, folded by key, values in text or "
-              "(binary) binary; len() is the rows they change. With feed (updates), the change "
-              "rows of every update, unfolded.",
+              "(binary) binary; len() is the rows they change. With feed, the change rows of "
+              "every change, unfolded.",
     .tp_new = key_run_new,
     .tp_dealloc = (destructor)key_run_dealloc,
     .tp_members = key_run_members,
@@ -674,7 +674,8 @@ lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
         || check_tuple(p, len, 8, natts, run->binary ? 'b' : 't', &value_bytes,
                        run->feed.data != Py_None ? &size : NULL) < 0)
         return REFUSED;
-    if (run->feed.data != Py_None && feed_put(self, &run->feed, 'U', p, 8, natts, run->binary, size) < 0)
+    if (run->feed.data != Py_None
+        && feed_put(self, &run->feed, update ? 'U' : 'D', p, 8, natts, run->binary, size) < 0)
         return FAILED;
     row = PyTuple_New(natts);
     if (row == NULL)

@@ -137,9 +137,15 @@ class Emitter:
             yield from self._run_feed(first.mapping, copy_run)
             return
         if first.kind == UPDATES or first.kind == DELETES:
-            yield from self._by_key(first)
+            key_run: KeyRun = first.run  # type: ignore[assignment]
             assert first.mapping is not None
-            yield from self._run_feed(first.mapping, first.run)  # type: ignore[arg-type]
+            if first.kind == DELETES and first.mapping.feed is not None and key_run.feed is not None:
+                # One statement deletes and records each old row whole, as the ordinary path's.
+                yield from feed_sql.run_deletes(first.mapping, key_run.feed, key_run.feed_rows,
+                                                key_run.binary, self._sql)
+                return
+            yield from self._by_key(first)
+            yield from self._run_feed(first.mapping, key_run)
             return
         if first.kind == FEED_ROWS:
             yield from feed_sql.feed_rows(first.run, self._sql)  # type: ignore[arg-type]

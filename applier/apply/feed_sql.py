@@ -33,8 +33,8 @@ from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
 from .statements import OLD, column, delete_sql, placeholder, table, update_sql
 
-__all__ = ["META_PARAMS", "feed_rows", "run_rows", "rows_sql", "update_rows_sql", "delete_rows_sql", "single_sql",
-           "recorded", "moved"]
+__all__ = ["META_PARAMS", "feed_rows", "run_rows", "run_deletes", "rows_sql", "update_rows_sql",
+           "delete_rows_sql", "single_sql", "recorded", "moved"]
 
 #: Parameters of a change row's meta (commit LSN, time, xid, order; the op is a literal).
 META_PARAMS = 4
@@ -117,6 +117,27 @@ def run_rows(mapping: RelationMapping, data: bytes | bytearray, rows: int, binar
                                copy_binary_data(data) if binary else data)]
     values = copy_binary_rows(data) if binary else copy_text_rows(data)
     return _inserts(mapping, [(list(row), [int(binary)] * len(row)) for row in values], cache)
+
+
+def run_deletes(mapping: RelationMapping, data: bytes | bytearray, rows: int, binary: bool,
+                cache: dict[tuple, str]) -> list[BatchStatement]:
+    """The deletes the lane kept as change rows in a run (meta, then the key's columns): deleted
+    by key and recorded from the target's old rows, as ``recorded`` does for the ordinary path's."""
+    keys = mapping.key_positions
+    changes = copy_binary_rows(data) if binary else copy_text_rows(data)
+    assert len(changes) == rows
+    statements = []
+    for position, size in chunks(rows, len(keys) + META_PARAMS):
+        values: list[bytes | None] = []
+        for change in changes[position:position + size]:
+            values.extend(change[META_PARAMS + 1 + i] for i in keys)
+            values.extend(change[:META_PARAMS])
+        key = (("feed deletes", mapping.relation.relation_id), size)
+        text = cache.get(key)
+        if text is None:
+            text = cache[key] = delete_rows_sql(mapping, keys, size)
+        statements.append(BatchStatement(key, text, values, [int(binary)] * len(values), size))
+    return statements
 
 
 def _inserts(mapping: RelationMapping, rows: list[tuple[list[bytes | None], list[int]]],

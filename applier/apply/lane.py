@@ -11,9 +11,8 @@ one is then mostly C: no message object, no call per change. Whatever the lane d
 whose values are not all in its run's format, anything malformed) it leaves where it stopped,
 and the ordinary path (decoder, assembler, apply) takes it, so every check and error stays there.
 
-A table the change feed records gets runs that also keep each change's change row (inserts and
-updates; its deletes are the ordinary path's, whose change rows are the target's old rows). The
-rows carry their transaction's stamp and order: the C lane reads the stamp from a Begin it takes;
+A table the change feed records gets runs that also keep each change's change row. The rows
+carry their transaction's stamp and order: the C lane reads the stamp from a Begin it takes;
 for the changes of a transaction open on the ordinary path, ``LaneHost.lane_stamp`` gives it,
 and the order reached goes back to it (``lane_seq``) whenever that path takes the transaction on.
 
@@ -96,7 +95,7 @@ class Lane:
         self._makers: dict[str, RunMaker] = {
             "I": lambda columns, keys, feed: module.Run(columns, lane.binary, feed),
             "U": lambda columns, keys, feed: module.KeyRun(columns, keys, True, lane.binary, feed),
-            "D": lambda columns, keys, feed: module.KeyRun(columns, keys, False, lane.binary),
+            "D": lambda columns, keys, feed: module.KeyRun(columns, keys, False, lane.binary, feed),
         }
 
     def take(self, payloads: list[bytes], start: int, *,

@@ -71,9 +71,8 @@ class LaneSeat:
 
     def lane_run(self, relation_id: int, kind: str, make_run: RunMaker) -> bool:
         """A run for a table independent of others (and for updates and deletes, one with a key:
-        not REPLICA IDENTITY FULL or NOTHING; for deletes, a table the change feed does not
-        record, since their change rows come from the target's rows). False: the ordinary path
-        takes the change (and reports what is wrong with the relation, if anything)."""
+        not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes the change (and
+        reports what is wrong with the relation, if anything)."""
         owner = self.owner
         if relation_id not in owner.relations:
             return False
@@ -81,12 +80,12 @@ class LaneSeat:
             mapping = owner.mapping(relation_id)
         except MappingError:
             return False
-        recorded = mapping.feed is not None
-        if not mapping.table.independent or (recorded and kind == "D"):
+        if not mapping.table.independent:
             return False
         if kind != "I" and (not mapping.key_positions or mapping.full_identity):
             return False
-        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions, recorded),
+        self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions,
+                                                mapping.feed is not None),
                            kind)
         return True
 

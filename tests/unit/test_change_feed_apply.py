@@ -17,7 +17,7 @@ from applier.ingest.gate import IngestGate
 from applier.progress import feed as layout
 from applier.progress.feed import PENDING, ChangeTable, Partition
 from applier.protocol.lsn import LSN
-from applier.protocol.messages import Delete, Insert, Truncate, TupleData, Update
+from applier.protocol.messages import UNCHANGED_TOAST, Delete, Insert, Truncate, TupleData, Update
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 CT = '"applier_changes"."public.t"'
@@ -154,10 +154,11 @@ def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_b
 
 
 def test_the_lane_records_a_tables_changes_and_hands_their_order_on(tmp_path: Path) -> None:
-    """Through the ingest gate: the lane takes the inserts and updates of a recorded table with
-    their change rows (a run of each kind); a delete is the ordinary path's (its change row is
-    the target's old row) and takes the next order in the transaction; the lane then takes the
-    rest of that open transaction, going on from there."""
+    """Through the ingest gate: the lane takes a recorded table's inserts, updates and deletes
+    with their change rows (a run of each kind; a delete's row is the target's old row, recorded
+    by the statement that deletes it); an update that left a TOAST value unchanged is the
+    ordinary path's and takes the next order in the transaction; the lane then takes the rest of
+    that open transaction, going on from there."""
     if core() is None:
         pytest.fail("the lane's C core is not built (./dev test builds it)")
     r, _ = _rig(fast=True)
@@ -165,16 +166,17 @@ def test_the_lane_records_a_tables_changes_and_hands_their_order_on(tmp_path: Pa
     gate = IngestGate(Assembler(r.applier, memory_budget=1 << 20, spill_dir=tmp_path), r.applier.lane)
     commit_time = int((T0 - datetime(2000, 1, 1, tzinfo=UTC)).total_seconds()) * 1_000_000
     gate.feed([pg.begin(0x1000, commit_time, 700), pg.insert(1, [b"1", b"a"]), pg.update(1, [b"1", b"b"]),
-               pg.delete(1, [b"1", None]), pg.insert(1, [b"2", b"c"]), pg.commit(0, 0x1000, 0x1008, commit_time)])
+               pg.update(1, [b"1", UNCHANGED_TOAST]), pg.delete(1, [b"1", None]), pg.insert(1, [b"2", b"c"]),
+               pg.commit(0, 0x1000, 0x1008, commit_time)])
     r.applier.flush()
-    (batch,) = r.target.transactions
     rows = [row for values in _recorded(r, f"INSERT INTO {CT}") for row in
             (values[i:i + 7] for i in range(0, len(values), 7))]
-    meta = [b"0/1000", b"2026-01-01 00:00:00.000000+00", b"700"]
+    meta = [b"0/1000", b"2026-01-01 00:00:00.000000+00", b"700"]  # as the lane writes them
     assert sorted(rows, key=lambda row: int(row[3])) == [  # type: ignore[arg-type]
-        [*meta, b"1", b"I", b"1", b"a"], [*meta, b"2", b"U", b"1", b"b"], [*meta, b"4", b"I", b"2", b"c"]]
-    (delete,) = _recorded(r, "WITH")
-    assert delete[-4:] == [b"0/1000", T0.isoformat().encode(), b"700", b"3"]
+        [*meta, b"1", b"I", b"1", b"a"], [*meta, b"2", b"U", b"1", b"b"], [*meta, b"5", b"I", b"2", b"c"]]
+    toast, delete = _recorded(r, "WITH")
+    assert toast[-4:] == [b"0/1000", T0.isoformat().encode(), b"700", b"3"]  # the ordinary path's
+    assert "DELETE" in [t for t, v in r.target.calls if v == delete][0] and delete == [b"1", *meta, b"4"]
     assert r.applier.fast is not None and not r.applier.fast.batch.runs
 
 

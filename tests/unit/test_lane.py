@@ -427,3 +427,15 @@ def test_a_recorded_tables_run_sends_its_change_rows_after_its_data() -> None:
     assert data.sql.startswith('INSERT INTO "public"."items"')
     assert changes.sql.startswith('INSERT INTO "applier_changes"."public.items"')
     assert changes.values[:6] == [b"0/300", b"2026-11-25 12:00:00.500000+00", b"9", b"1", b"I", b"0"]
+
+
+def test_a_recorded_tables_deletes_keep_their_keys_as_change_rows() -> None:
+    runs = {7: _key_run(2, (0,), whole_rows=False, feed=True)}
+    payloads = [pg.begin(0x400, NOON, 3), pg.delete(7, [b"1", None]), pg.delete(7, [b"2", None]),
+                pg.commit(0, 0x400, 0x408, NOON)]
+    lane = _make_lane(runs)
+    lane.feed_until = BIG
+    assert lane.take(payloads, 0) == len(payloads) and lane.deletes == 2
+    meta = b"0/400\t2026-11-25 12:00:00.500000+00\t3\t"
+    assert bytes(runs[7].feed) == meta + b"1\tD\t1\t\\N\n" + meta + b"2\tD\t2\t\\N\n"
+    assert runs[7].feed_rows == 2 and len(runs[7]) == 2

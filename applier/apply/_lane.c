@@ -378,8 +378,9 @@ typedef struct {
      * set_stamp() for the changes of an open one), and its change rows' text meta */
     unsigned long long feed_until;  /* change rows only for a commit LSN below this */
     int stamped;                 /* the stamp is known: change rows may be written */
-    unsigned long long stamp_lsn;
+    unsigned long long stamp_lsn;  /* PENDING_LSN: the commit is not known yet */
     long long stamp_time;        /* microseconds since 2000-01-01 UTC */
+    int stamp_timed;             /* the commit time is known (else NULL) */
     unsigned int stamp_xid;
     long long seq;               /* change rows the transaction has so far */
     char prefix[80];             /* "LSN\ttime\txid\t", made when first needed */
@@ -535,12 +536,17 @@ put_values(char *out, const unsigned char *p, Py_ssize_t pos, Py_ssize_t natts, 
     return out;
 }
 
+/* The commit LSN of change rows whose transaction has not committed yet (its change table's
+ * pending partition, which always exists, holds them until the commit fixes them). */
+#define PENDING_LSN UINT64_MAX
+
 /* Whether the change in a recorded table's run may have its change row now: the stamp is known
  * and the change table has its partition for the commit LSN. */
 static int
 feed_allowed(LaneObject *self, Feed *feed)
 {
-    return feed->data == Py_None || (self->stamped && self->stamp_lsn < self->feed_until);
+    return feed->data == Py_None
+        || (self->stamped && (self->stamp_lsn < self->feed_until || self->stamp_lsn == PENDING_LSN));
 }
 
 /* The text meta of the transaction's change rows: commit LSN, commit time (UTC, microseconds),
@@ -554,6 +560,12 @@ make_prefix(LaneObject *self)
     long long seconds = unix_us >= 0 ? unix_us / 1000000 : -((-unix_us + 999999) / 1000000);
     time_t t = (time_t)seconds;
     struct tm tm;
+    if (!self->stamp_timed) {
+        self->prefix_len = snprintf(self->prefix, sizeof self->prefix, "%X/%X\t\\N\t%u\t",
+                                    (unsigned int)(self->stamp_lsn >> 32), (unsigned int)self->stamp_lsn,
+                                    self->stamp_xid);
+        return;
+    }
     gmtime_r(&t, &tm);
     self->prefix_len = snprintf(self->prefix, sizeof self->prefix,
                                 "%X/%X\t%04d-%02d-%02d %02d:%02d:%02d.%06lld+00\t%u\t",
@@ -572,8 +584,9 @@ feed_put(LaneObject *self, Feed *feed, char op, const unsigned char *p, Py_ssize
     char text_seq[24];
     char *out;
     self->seq++;
-    if (binary)  /* four int8-sized meta values and the one-byte op, each behind its length */
-        meta = 4 * (4 + 8) + 4 + 1;
+    if (binary)  /* four int8-sized meta values (the time may be NULL) and the one-byte op, each
+                  * behind its length */
+        meta = 4 * (4 + 8) + 4 + 1 - (self->stamp_timed ? 0 : 8);
     else {
         if (self->prefix_len == 0)
             make_prefix(self);
@@ -588,7 +601,10 @@ feed_put(LaneObject *self, Feed *feed, char op, const unsigned char *p, Py_ssize
         *out++ = (char)(fields >> 8);
         *out++ = (char)fields;
         out = put_be64(put_be32(out, 8), self->stamp_lsn);
-        out = put_be64(put_be32(out, 8), (uint64_t)self->stamp_time);
+        if (self->stamp_timed)
+            out = put_be64(put_be32(out, 8), (uint64_t)self->stamp_time);
+        else
+            out = put_be32(out, 0xFFFFFFFFu);  /* NULL */
         out = put_be64(put_be32(out, 8), self->stamp_xid);
         out = put_be64(put_be32(out, 8), (uint64_t)self->seq);
         out = put_be32(out, 1);
@@ -772,6 +788,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             self->stamped = 1;
             self->stamp_lsn = open_final;
             self->stamp_time = (long long)be64(p + 9);
+            self->stamp_timed = 1;
             self->stamp_xid = open_xid;
             self->seq = 0;
             self->prefix_len = 0;
@@ -828,7 +845,8 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 /* set_stamp(commit_lsn, commit_time, xid, seq) or set_stamp(None): the stamp of the open
- * transaction whose changes the next take() takes (None: its change rows are not for the lane). */
+ * transaction whose changes the next take() takes (None: its change rows are not for the lane;
+ * commit_time None with the pending commit LSN: its commit is not known yet). */
 static PyObject *
 lane_set_stamp(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -839,7 +857,8 @@ lane_set_stamp(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (nargs != 4)
         return PyErr_Format(PyExc_TypeError, "set_stamp(commit_lsn, commit_time, xid, seq) or set_stamp(None)");
     self->stamp_lsn = PyLong_AsUnsignedLongLong(args[0]);
-    self->stamp_time = PyLong_AsLongLong(args[1]);
+    self->stamp_timed = args[1] != Py_None;
+    self->stamp_time = self->stamp_timed ? PyLong_AsLongLong(args[1]) : 0;
     self->stamp_xid = (unsigned int)PyLong_AsUnsignedLong(args[2]);
     self->seq = PyLong_AsLongLong(args[3]);
     if (PyErr_Occurred())
@@ -885,8 +904,8 @@ static PyMethodDef lane_methods[] = {
      "take(payloads, start)\n--\n\nTake payloads from start on; the index of the first not taken."},
     {"set_stamp", (PyCFunction)(void (*)(void))lane_set_stamp, METH_FASTCALL,
      "set_stamp(commit_lsn, commit_time, xid, seq)\n--\n\nThe stamp of the open transaction whose "
-     "changes take() takes next (commit_time: microseconds since 2000-01-01), or None: its "
-     "change rows are not the lane's."},
+     "changes take() takes next (commit_time: microseconds since 2000-01-01, None while the "
+     "commit is not known), or None: its change rows are not the lane's."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
+from ..progress.feed import ChangeTable
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
     COPY,
@@ -68,8 +69,6 @@ __all__ = ["Batch", "BatchStatement", "KeyRun", "Run"]
 
 #: A run's kind (the type byte of the changes it takes) -> its op kind.
 _RUN_OPS = {"I": COPY, "U": UPDATES, "D": DELETES}
-#: Above every commit LSN.
-_NO_LIMIT = 2**64 - 1
 
 
 class Batch:
@@ -122,15 +121,11 @@ class Batch:
         self.runs[relation_id] = run
         self._ops.append(op)
 
-    def recorded_until(self) -> int:
-        """The commit LSN below which the change table of every recorded table with an open run
-        has its partition (the lane writes change rows only below it)."""
-        until = _NO_LIMIT
-        for op in self._open.values():
-            change_table = op.mapping.feed  # type: ignore[union-attr]
-            if change_table is not None and change_table.newest.to_lsn < until:
-                until = int(change_table.newest.to_lsn)
-        return until
+    def recorded_runs(self) -> list[ChangeTable]:
+        """The change tables of the recorded tables with an open run (the lane writes their
+        change rows)."""
+        return [op.mapping.feed for op in self._open.values()  # type: ignore[union-attr]
+                if op.mapping.feed is not None]  # type: ignore[union-attr]
 
     def _close_run(self, relation_id: int) -> None:
         if self._open.pop(relation_id, None) is not None:

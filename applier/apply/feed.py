@@ -149,17 +149,19 @@ class FeedWriter:
             self._pending_written.clear()
         return self._stamp
 
-    def lane_stamp(self) -> tuple[int, int, int, int] | None:
+    def lane_stamp(self, recorded: Sequence[ChangeTable]) -> tuple[int, int | None, int, int] | None:
         """For the lane (``lane.LaneHost.lane_stamp``): the open transaction's stamp (commit LSN,
-        commit time in microseconds since 2000-01-01, xid, change rows so far), or None: none
-        open, or its commit is not known yet (its rows are fixed at its commit, which only this
-        writer tracks)."""
+        commit time in microseconds since 2000-01-01, xid, change rows so far), or None when
+        none is open. A transaction whose commit is not known yet has the PENDING LSN and no
+        time: the change tables in ``recorded`` (those the lane may write to) are then fixed at
+        its commit, as those of the rows written here."""
         if self.tx.current is None:
             return None
         stamp = self.stamp()
-        if stamp.pending or stamp.commit_time is None:
-            return None
-        return int(stamp.commit_lsn), to_pg_timestamp(stamp.commit_time), stamp.xid, stamp.seq
+        if stamp.pending:
+            self._pending_written.update(recorded)
+        time = None if stamp.commit_time is None else to_pg_timestamp(stamp.commit_time)
+        return int(stamp.commit_lsn), time, stamp.xid, stamp.seq
 
     def defer(self) -> None:
         """The transaction being applied is prepared on the target: its commit comes later."""

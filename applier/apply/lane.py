@@ -39,9 +39,9 @@ __all__ = ["Lane", "LaneHost", "RunMaker", "Stamp", "core", "lane_for"]
 
 #: A run made from (columns, key positions, whether the change feed records the table).
 RunMaker = Callable[[int, tuple[int, ...], bool], "Run | KeyRun"]
-#: A transaction's change-row stamp: commit LSN, commit time (microseconds since 2000-01-01),
-#: xid, change rows so far.
-Stamp = tuple[int, int, int, int]
+#: A transaction's change-row stamp: commit LSN, commit time (microseconds since 2000-01-01; None
+#: while the commit is not known), xid, change rows so far.
+Stamp = tuple[int, int | None, int, int]
 
 #: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
@@ -65,8 +65,8 @@ class LaneHost(Protocol):
 
     def lane_stamp(self) -> tuple[int, Stamp | None]:
         """The change feed: the commit LSN below which every change table has its partition, and
-        the stamp (commit LSN, commit time in microseconds since 2000-01-01, xid, order so far) of
-        the open transaction, or None when its change rows are not the lane's to write."""
+        the stamp (``Stamp``) of the open transaction, or None when its change rows are not the
+        lane's to write."""
 
     def lane_seq(self, seq: int) -> None:
         """The open transaction's change rows so far, the lane's included."""

@@ -26,6 +26,8 @@ __all__ = ["LaneSeat", "SeatOwner"]
 
 #: Without a change feed: no change table, no stamp.
 _NO_FEED: tuple[int, Stamp | None] = (0, None)
+#: No recorded table has an open run: no bound on the lane's change rows.
+_NO_LIMIT = 2**64 - 1
 
 
 class SeatOwner(Protocol):
@@ -93,7 +95,9 @@ class LaneSeat:
         feed = self.owner.tx.feed
         if feed is None:
             return _NO_FEED
-        return self.fast.batch.recorded_until(), feed.lane_stamp()
+        recorded = self.fast.batch.recorded_runs()
+        until = min((int(t.newest.to_lsn) for t in recorded), default=_NO_LIMIT)
+        return until, feed.lane_stamp(recorded)
 
     def lane_seq(self, seq: int) -> None:
         feed = self.owner.tx.feed

@@ -139,6 +139,24 @@ def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> No
     assert change_table.newest.to_lsn > 0x5000  # the partition of its commit LSN exists
 
 
+def test_the_lanes_pending_change_rows_are_fixed_at_the_commit() -> None:
+    if core() is None:
+        pytest.fail("the lane's C core is not built (./dev test builds it)")
+    r, change_table = _rig(fast=True)
+    applier = r.applier
+    applier.begin(TransactionStart(900, PENDING, T0, streamed=True, gid=None, end_lsn=None))
+    assert applier.take_changes([pg.insert(1, [b"1", b"a"], xid=900)], 0) == 1  # the lane took it
+    applier.commit(TransactionEnd(900, LSN(0x5000), LSN(0x5008), T0, streamed=True, gid=None))
+    applier.flush()
+    (batch,) = r.target.transactions
+    calls = {text: values for text, values in r.target.calls}
+    recorded = [text for text in batch if text.startswith(f"INSERT INTO {CT}")]
+    assert calls[recorded[0]][:5] == [b"FFFFFFFF/FFFFFFFF", None, b"900", b"1", b"I"]
+    fix = [text for text in batch if text.startswith(f"UPDATE {CT} SET")]
+    assert len(fix) == 1 and "'0/5000'" in fix[0] and "900" in fix[0]
+    assert batch.index(fix[0]) > batch.index(recorded[0])
+
+
 def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_back() -> None:
     r, change_table = _rig(upper=0x1000)
     _transaction(r, 700, 0x2000, Insert(None, 1, _row(b"1", b"a")))

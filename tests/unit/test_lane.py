@@ -439,3 +439,18 @@ def test_a_recorded_tables_deletes_keep_their_keys_as_change_rows() -> None:
     meta = b"0/400\t2026-11-25 12:00:00.500000+00\t3\t"
     assert bytes(runs[7].feed) == meta + b"1\tD\t1\t\\N\n" + meta + b"2\tD\t2\t\\N\n"
     assert runs[7].feed_rows == 2 and len(runs[7]) == 2
+
+
+def test_a_transaction_whose_commit_is_not_known_writes_pending_change_rows() -> None:
+    """Applied as it streams: the pending commit LSN (its partition always exists, so no bound
+    applies) and no commit time, in text and in binary."""
+    pending = 2**64 - 1
+    runs = {7: _lane.Run(1, False, True), 8: _lane.Run(1, True, True)}
+    lane = _make_lane(runs, whole=False, streamed=True)
+    lane.feed_until = 0
+    lane.set_stamp(pending, None, 9, 0)
+    changes = [pg.insert(7, [b"t"], xid=9), pg.insert(8, [pg.Binary(b"b")], xid=9)]
+    assert lane.take(changes, 0) == 2 and lane.seq == 2
+    assert bytes(runs[7].feed) == b"FFFFFFFF/FFFFFFFF\t\\N\t9\t1\tI\tt\n"
+    assert copy_binary_rows(runs[8].feed) == [(pending.to_bytes(8, "big"), None, (9).to_bytes(8, "big"),
+                                               (2).to_bytes(8, "big"), b"I", b"b")]

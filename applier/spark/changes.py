@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..progress.feed import SCHEMA
+from ..progress.feed import META_COLUMNS, SCHEMA
 from ..progress.feed_registry import FeedRegistry, RetainedHistory
 from ..protocol.lsn import LSN
 from ..quoting import qualified
@@ -42,11 +42,6 @@ if TYPE_CHECKING:
     from .snapshot import Snapshot
 
 __all__ = ["ChangeRange", "HistoryNotRetained", "change_range", "read_changes"]
-
-META_OUT = ("change_op", "change_commit_lsn", "change_position", "change_commit_time", "change_xid",
-            "change_seq")
-_META = frozenset({"change_commit_lsn", "change_commit_time", "change_xid", "change_seq", "change_op"})
-
 
 class HistoryNotRetained(LookupError):
     """The range asked for is not (or no longer) all in the change feed."""
@@ -125,7 +120,7 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
         raise ValueError(f"net=True needs a key: {span.table.display} has no primary key or "
                          "replica identity index")
     recorded = describe_table(snapshot, f"{span.qualified}")
-    columns = [c for c in recorded.columns if c.name not in _META]
+    columns = [c for c in recorded.columns if c.name not in META_COLUMNS]
     as_text = {c.name for c in columns} if text_columns == "*" else set(text_columns)
     probed = probe_columns(snapshot, recorded, [c for c in columns if c.name not in as_text]) \
         if probe else None

@@ -344,7 +344,6 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
 
 def test_the_reflector_reads_every_table_over_one_connection(target_db) -> None:
     from applier.apply.mapping import MissingTargetTable, Reflector
-    from applier.progress.schema import make_engine
 
     target_db.execute("CREATE TABLE r1 (id int PRIMARY KEY, v text); CREATE TABLE r2 (a int, b int); "
                       "CREATE TABLE r3 (k text PRIMARY KEY)")
@@ -354,7 +353,7 @@ def test_the_reflector_reads_every_table_over_one_connection(target_db) -> None:
                                "AND pid <> pg_backend_pid()")[0][0]
 
     before = connections()
-    reflector = Reflector(make_engine(target_db.dsn))
+    reflector = Reflector(target_db.dsn)
     tables = [reflector("public", name) for name in ("r1", "r2", "r3")]
     assert [t.unique_key for t in tables] == [("id",), (), ("k",)]
     assert connections() == before + 1  # one for all three, idle between tables

@@ -4,9 +4,8 @@ Owns nothing the product uses; it only measures. It runs ``applier run`` as ``py
 applier`` would, with the same order of start-up (the stream first, then the worker), except that
 once the worker package is loaded it wraps a few functions to count and time them:
 
-* ``FastPath.commit``: each commit of a fast-path batch, durable or not, its source
-  transactions and rows, and its duration (the commit's round trips and, when durable, the
-  target's WAL flush);
+* ``FastPath.commit``: each commit of a fast-path batch, its source transactions and rows, and
+  its duration (the commit's round trips);
 * ``TargetTransaction.make_durable``: each durable rewrite of the progress row after
   asynchronous commits;
 * ``FastPath.send_part``: parts of a batch sent ahead of its commit;
@@ -65,18 +64,20 @@ def _install() -> None:
 
     commit = FastPath.commit
 
-    def counted_commit(self: FastPath, durable: bool = False) -> None:
+    def counted_commit(self: FastPath) -> None:
         if not self.open:
-            return commit(self, durable)
+            return commit(self)
         pending = self.tx.pending
         transactions = pending.get("transactions", 0)
         rows = pending["insert"] + pending["update"] + pending["delete"]
         started = time.monotonic()
         try:
-            return commit(self, durable)
+            return commit(self)
         finally:
             now = time.monotonic()
-            COUNTS["flushes"].append((started - STARTED, durable, transactions, rows, now - started))
+            # No batch commit is durable itself any more (2026-11-27): the field stays, so that
+            # the summary still reads the files of earlier runs.
+            COUNTS["flushes"].append((started - STARTED, False, transactions, rows, now - started))
 
     make_durable = TargetTransaction.make_durable
 

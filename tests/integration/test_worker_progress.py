@@ -200,6 +200,38 @@ def test_make_durable_makes_asynchronous_commits_durable_at_once(target_db) -> N
             admin.execute("SELECT pg_reload_conf()")
 
 
+def test_a_batch_at_a_pause_is_visible_first_then_made_durable_once_the_stream_is_quiet(
+        source_db, target_db, tmp_path: Path) -> None:
+    """A batch committed because the stream paused commits with synchronous_commit off, like any
+    other, so its rows are visible without waiting for the target's WAL flush; once the stream has
+    stayed quiet, one durable rewrite of the progress row (a transaction of its own, after the
+    batch's) flushes it, and only then is the slot told. The WAL writer is told to wait 10 s here,
+    so it is not what flushed it."""
+    replicated_table(source_db, target_db)
+    with target_db.connect() as admin:
+        admin.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        admin.execute("SELECT pg_reload_conf()")
+    worker = start_worker(source_db, target_db, log_path=tmp_path / "w.log")
+    try:
+        source_db.execute("INSERT INTO t VALUES (1)")
+        goal = source_db.query("SELECT pg_current_wal_lsn()::text")[0][0]
+        wait_for(lambda: source_db.query(
+            "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+            "WHERE slot_name = 's'", (goal,)) == [(True,)],
+            timeout=5, what="the slot to confirm the row, well before the WAL writer's 10 s")
+        # The batch's transaction wrote the row and the progress row; the rewrite, a later
+        # transaction, wrote the progress row again.
+        row_xid, progress_xid = target_db.query(
+            "SELECT (SELECT xmin::text::bigint FROM t WHERE id = 1), "
+            "(SELECT xmin::text::bigint FROM applier.progress WHERE slot_name = 's')")[0]
+        assert progress_xid > row_xid
+    finally:
+        assert stop_worker(worker) == 0
+        with target_db.connect() as admin:
+            admin.execute("ALTER SYSTEM RESET wal_writer_delay")
+            admin.execute("SELECT pg_reload_conf()")
+
+
 def test_a_released_worker_lock_is_free_at_once(target_db) -> None:
     """applier sync hands over to the worker in the same process right after releasing the lock
     for the slot: the release must not depend on the server noticing a closed connection."""

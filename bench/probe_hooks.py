@@ -136,7 +136,9 @@ def _state(loop: dict[str, Any], timeout: float) -> str:
         return f"outside the stream loop, timeout {timeout:g}"
     batch = "batch open" if applier.holds_uncommitted else "no batch open"
     where = "between transactions" if assembler.between_transactions else "inside a transaction"
-    return f"{batch}, {where}, timeout {timeout:g}"
+    # Rounded: the batch's wait and the quiet before a durable rewrite are whatever is left of
+    # them, a different float at nearly every read.
+    return f"{batch}, {where}, timeout {round(timeout, 2):g}"
 
 
 def _write() -> None:

@@ -156,9 +156,11 @@ def summary(counts: dict[str, Any], since: float = 0.0) -> list[str]:
     rewrites = [f for f in counts["flush_wal"] if f[0] >= since]
     lines = [f"stream loop from {counts['loop_started'] or 0:.3f} s for {counts['loop_seconds'] or 0:.3f} s; "
              f"exit at {counts.get('exit', 0):.3f} s",
-             f"batch commits {len(flushes)} ({len(durable)} durable, at a pause in the stream), "
-             f"{sum(f[4] for f in flushes):.3f} s in them ({sum(f[4] for f in durable):.3f} s in "
-             f"the durable ones); parts sent ahead {counts['sent_ahead']}",
+             f"batch commits {len(flushes)}"
+             + (f" ({len(durable)} durable, at a pause in the stream)" if durable else "")
+             + f", {sum(f[4] for f in flushes):.3f} s in them"
+             + (f" ({sum(f[4] for f in durable):.3f} s in the durable ones)" if durable else "")
+             + f"; parts sent ahead {counts['sent_ahead']}",
              f"durable progress rewrites (flush_wal) {len(rewrites)}, "
              f"{sum(f[1] for f in rewrites):.3f} s in them"]
     if flushes:

@@ -178,8 +178,8 @@ def cause_of(exc: BaseException, *, side: str = "target") -> Cause | None:
 
     if isinstance(exc, ApplierError):
         return exc.cause
-    # Not imported here: ``applier run`` starts its stream before SQLAlchemy is loaded, and
-    # without it loaded no SQLAlchemy error can exist.
+    # Not imported here: ``applier run`` loads SQLAlchemy only to create or upgrade the
+    # bookkeeping schema (or to copy a table), and without it loaded no SQLAlchemy error can exist.
     alchemy = sys.modules.get("sqlalchemy.exc")
     if alchemy is not None and isinstance(exc, alchemy.DBAPIError):
         # SQLAlchemy wraps the driver's error; a dropped pooled connection says so itself.

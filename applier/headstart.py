@@ -1,11 +1,11 @@
 """``applier run``'s head start: the replication stream started before the worker is loaded.
 
-Loading the worker takes about a third of a second (SQLAlchemy and the apply stage, mostly), and
-on a backlog the source has work to do before its first message reaches us: a large transaction
-is decoded whole before its first change is sent, which takes the walsender seconds. So ``run``
-first does, with psycopg alone, what the worker's first session does to start its stream: read
-the target's encoding and the slot's recorded position (``progress.bookkeeping``), look at the slot,
-resolve the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
+Loading the worker takes about a sixth of a second (the apply stage, mostly), and on a backlog
+the source has work to do before its first message reaches us: a large transaction is decoded
+whole before its first change is sent, which takes the walsender seconds. So ``run`` first does,
+with psycopg alone, what the worker's first session does to start its stream: read the target's
+encoding and the slot's recorded position (``progress.bookkeeping``), look at the slot, resolve
+the options, note the source's WAL position (the goal of ``--exit-when-caught-up``), and
 START_REPLICATION. Then it loads the worker, while the source decodes; a thread receives what the
 source sends into libpq's buffer meanwhile (up to a quarter of ``--memory-budget``), so that a
 backlog of many small transactions, which fills the socket at once, does not keep the walsender

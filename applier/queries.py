@@ -1,7 +1,7 @@
 """Running one query on whichever connection a command holds, off the hot path.
 
-Commands hold psycopg connections (sync's copies, the Spark reader, ``applier run``'s start) or
-SQLAlchemy connections (status, metrics, verify's snapshot); both take the same psycopg-style
+Commands hold psycopg connections (sync's copies, the Spark reader, ``applier run`` and its
+metrics probe) or SQLAlchemy connections (status, verify's snapshot, sync's catalog); both take the same psycopg-style
 parameters (``%(name)s``), SQLAlchemy's through ``exec_driver_sql``. Owns only that adapter; must
 never hold state, commit or roll back.
 """

@@ -326,6 +326,7 @@ def run_contender(make: Callable[[Database, str, Database, str], Contender], nam
                 delta(before.worker, after.worker), delta(before.target, after.target),
                 delta(before.walsender, after.walsender),
                 cores_busy(before.machine, after.machine, after.at - before.at), gap))
+            print(f"  {name}: {_episodes(results[-1])}", flush=True)
             if catch_up is None:
                 print(f"  {name} did not catch up within {CATCH_UP_TIMEOUT:g} s; higher rates skipped",
                       flush=True)
@@ -343,6 +344,17 @@ def run_contender(make: Callable[[Database, str, Database, str], Contender], nam
     target_server.drop_database(target.name)
     drop_applier_origins(target_server)
     return results, equal
+
+
+def _episodes(result: RateResult) -> str:
+    """This run's lag at one rate, to tell a single stall from a steady lag (the table pools
+    the runs): p99, the largest and when it was seen, and how many samples lagged 0.1 s or more."""
+    lags = result.lags
+    if not lags:
+        return "no lag samples"
+    worst = max(range(len(lags)), key=lags.__getitem__)
+    return (f"lag p99 {_f(result.lag(0.99), 3)}, max {lags[worst]:.3f} about {worst * SAMPLE_INTERVAL:.0f} s "
+            f"into the rate, {sum(lag >= 0.1 for lag in lags)} of {len(lags)} samples at 0.1 s or more")
 
 
 def run_sustained(source_server: PostgresServer, target_server: PostgresServer,

@@ -4,9 +4,8 @@ Owns nothing the product uses; it only measures. It runs ``applier run`` as ``py
 applier`` would, with the same order of start-up (the stream first, then the worker), except that
 once the worker package is loaded it wraps a few functions to count and time them:
 
-* ``FastPath.commit``: each commit of a fast-path batch, durable or not, its source
-  transactions and rows, and its duration (the commit's round trips and, when durable, the
-  target's WAL flush);
+* ``FastPath.commit``: each commit of a fast-path batch, its source transactions and rows, and
+  its duration (the commit's round trips);
 * ``TargetTransaction.make_durable``: each durable rewrite of the progress row after
   asynchronous commits;
 * ``FastPath.send_part``: parts of a batch sent ahead of its commit;
@@ -65,18 +64,20 @@ def _install() -> None:
 
     commit = FastPath.commit
 
-    def counted_commit(self: FastPath, durable: bool = False) -> None:
+    def counted_commit(self: FastPath) -> None:
         if not self.open:
-            return commit(self, durable)
+            return commit(self)
         pending = self.tx.pending
         transactions = pending.get("transactions", 0)
         rows = pending["insert"] + pending["update"] + pending["delete"]
         started = time.monotonic()
         try:
-            return commit(self, durable)
+            return commit(self)
         finally:
             now = time.monotonic()
-            COUNTS["flushes"].append((started - STARTED, durable, transactions, rows, now - started))
+            # No batch commit is durable itself any more (2026-11-27): the field stays, so that
+            # the summary still reads the files of earlier runs.
+            COUNTS["flushes"].append((started - STARTED, False, transactions, rows, now - started))
 
     make_durable = TargetTransaction.make_durable
 
@@ -135,7 +136,9 @@ def _state(loop: dict[str, Any], timeout: float) -> str:
         return f"outside the stream loop, timeout {timeout:g}"
     batch = "batch open" if applier.holds_uncommitted else "no batch open"
     where = "between transactions" if assembler.between_transactions else "inside a transaction"
-    return f"{batch}, {where}, timeout {timeout:g}"
+    # Rounded: the batch's wait and the quiet before a durable rewrite are whatever is left of
+    # them, a different float at nearly every read.
+    return f"{batch}, {where}, timeout {round(timeout, 2):g}"
 
 
 def _write() -> None:
@@ -153,9 +156,11 @@ def summary(counts: dict[str, Any], since: float = 0.0) -> list[str]:
     rewrites = [f for f in counts["flush_wal"] if f[0] >= since]
     lines = [f"stream loop from {counts['loop_started'] or 0:.3f} s for {counts['loop_seconds'] or 0:.3f} s; "
              f"exit at {counts.get('exit', 0):.3f} s",
-             f"batch commits {len(flushes)} ({len(durable)} durable, at a pause in the stream), "
-             f"{sum(f[4] for f in flushes):.3f} s in them ({sum(f[4] for f in durable):.3f} s in "
-             f"the durable ones); parts sent ahead {counts['sent_ahead']}",
+             f"batch commits {len(flushes)}"
+             + (f" ({len(durable)} durable, at a pause in the stream)" if durable else "")
+             + f", {sum(f[4] for f in flushes):.3f} s in them"
+             + (f" ({sum(f[4] for f in durable):.3f} s in the durable ones)" if durable else "")
+             + f"; parts sent ahead {counts['sent_ahead']}",
              f"durable progress rewrites (flush_wal) {len(rewrites)}, "
              f"{sum(f[1] for f in rewrites):.3f} s in them"]
     if flushes:

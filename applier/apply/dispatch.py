@@ -120,10 +120,10 @@ class Applier:
         """Seconds the fast path's batch may still wait for more at a pause (``FastPath.wait_left``)."""
         return self.fast.wait_left() if self.fast is not None else 0.0
 
-    def flush(self, durable: bool = False) -> None:
+    def flush(self) -> None:
         """Commit what the fast path holds (see ``FastPath.commit``)."""
         if self.fast is not None:
-            self.fast.commit(durable)
+            self.fast.commit()
 
     def abort_open_transaction(self) -> None:
         """Roll back a transaction left open by an error, a lost source or a stop signal."""

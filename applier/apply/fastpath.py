@@ -135,16 +135,12 @@ class FastPath:
             self.send_part()
 
     # -- sending and committing -------------------------------------------------------------------
-    def commit(self, durable: bool = False) -> None:
+    def commit(self) -> None:
         """Commit the batch's target transaction: BEGIN (if nothing was sent ahead), its rows and
         the progress row naming the last source transaction in it in one pipeline round trip,
-        then (every row count being as expected) COMMIT in a second.
-
-        ``durable``: commit with synchronous_commit on even when the session runs with it off.
-        The worker asks for it when the stream is idle: the source position can then be
-        confirmed at once, instead of after the target's WAL writer has flushed (up to three
-        wal_writer_delay later), and the one flush also covers every earlier asynchronous commit.
-        """
+        then (every row count being as expected) COMMIT in a second. With synchronous_commit off
+        the rows are visible as soon as COMMIT returns, and the worker confirms the batch's
+        position once the target's WAL is flushed past it (``worker.loop``)."""
         if not self.open:
             return
         tx = self.tx
@@ -159,7 +155,7 @@ class FastPath:
                     tx.store.record_position(position, via=pipeline)
                 # Row counts are checked before COMMIT is even sent: a mismatch must roll back.
                 pipeline.sync()
-                tx.send_commit(pipeline, target_lsn, durable=durable)
+                tx.send_commit(pipeline, target_lsn)
                 pipeline.sync()
         except (RowCountMismatch, PipelineError) as exc:
             raise self._failed(exc, last) from exc

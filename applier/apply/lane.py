@@ -81,7 +81,7 @@ class LaneHost(Protocol):
     def send_part(self) -> None:
         """Send what the batch holds ahead of its commit."""
 
-    def flush(self, durable: bool = False) -> None:
+    def flush(self) -> None:
         """Commit the batch."""
 
 

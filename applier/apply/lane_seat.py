@@ -45,7 +45,7 @@ class SeatOwner(Protocol):
 
     def mapping(self, relation_id: int) -> RelationMapping: ...
 
-    def flush(self, durable: bool = False) -> None: ...
+    def flush(self) -> None: ...
 
 
 class LaneSeat:
@@ -114,5 +114,5 @@ class LaneSeat:
     def send_part(self) -> None:
         self.fast.send_part()
 
-    def flush(self, durable: bool = False) -> None:
-        self.owner.flush(durable)
+    def flush(self) -> None:
+        self.owner.flush()

@@ -1,20 +1,23 @@
 """Target tables and the mapping of source relations onto them.
 
 Owns reading a target table's definition (columns, types, key, whether its rows are independent
-of other tables: SQLAlchemy, off the hot path) and binding a source Relation to it, column by
-column by name (``RelationMapping``). Must never run a statement on the apply session or cache
-anything (``relations.RelationCache`` does).
+of other tables: catalog queries on a connection of its own, off the hot path) and binding a
+source Relation to it, column by column by name (``RelationMapping``). Must never run a statement
+on the apply session or cache anything (``relations.RelationCache`` does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Connection, Engine, text
+import psycopg
 
+from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..progress.feed import ChangeTable
 from ..protocol.messages import Relation
+from ..queries import rows
 from ..quoting import ident, qualified
 
 __all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MappingError", "MissingTargetTable",
@@ -71,7 +74,7 @@ class TargetTable:
         return qualified(self.schema, self.name)
 
 
-_TABLE_SQL = text("""
+_TABLE_SQL = """
     SELECT c.oid, c.relkind = 'p',
            c.relkind = 'r' AND NOT c.relispartition
            AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
@@ -79,62 +82,64 @@ _TABLE_SQL = text("""
            AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_rewrite r
                            WHERE r.ev_class = c.oid AND r.ev_enabled IN ('A', 'R'))
     FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-    WHERE n.nspname = :schema AND c.relname = :name AND c.relkind IN ('r', 'p')
-""")
-_COLUMNS_SQL = text("""
+    WHERE n.nspname = %(schema)s AND c.relname = %(name)s AND c.relkind IN ('r', 'p')
+"""
+_COLUMNS_SQL = """
     SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
            EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
                    AND o.oprleft = a.atttypid AND o.oprright = a.atttypid),
            a.atttypid::int8, a.atttypmod, a.attnotnull, a.atthasdef
     FROM pg_catalog.pg_attribute a
-    WHERE a.attrelid = :oid AND a.attnum > 0 AND NOT a.attisdropped
+    WHERE a.attrelid = %(oid)s AND a.attnum > 0 AND NOT a.attisdropped
     ORDER BY a.attnum
-""")
-_KEY_SQL = text("""
+"""
+_KEY_SQL = """
     SELECT ARRAY(SELECT a.attname FROM unnest(i.indkey) WITH ORDINALITY k(attnum, ord)
                  JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
                  ORDER BY k.ord)
     FROM pg_catalog.pg_index i
-    WHERE i.indrelid = :oid AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
+    WHERE i.indrelid = %(oid)s AND i.indisunique AND i.indpred IS NULL AND i.indexprs IS NULL
           AND 0 <> ALL (i.indkey)
     ORDER BY i.indisprimary DESC, i.indisreplident DESC, i.indexrelid
     LIMIT 1
-""")
+"""
 
 
-def reflect_table(conn: Connection, schema: str, name: str) -> TargetTable:
-    """Read a target table's columns and unique key (SQLAlchemy connection, catalog queries)."""
+def reflect_table(conn: Any, schema: str, name: str) -> TargetTable:
+    """Read a target table's columns and unique key, inside the transaction open on ``conn`` (a
+    psycopg or a SQLAlchemy connection, ``queries.rows``)."""
     # With an empty search_path format_type() schema-qualifies every type, as the apply session
     # (which also runs with an empty search_path) needs.
-    conn.execute(text("SELECT pg_catalog.set_config('search_path', '', true)"))
-    found = conn.execute(_TABLE_SQL, {"schema": schema, "name": name}).first()
-    if found is None:
+    rows(conn, "SELECT pg_catalog.set_config('search_path', '', true)")
+    found = rows(conn, _TABLE_SQL, {"schema": schema, "name": name})
+    if not found:
         raise MissingTargetTable(
             f"target table {qualified(schema, name)} does not exist; create it on the target "
             "(same schema-qualified name) and restart")
-    oid, partitioned, independent = found
+    oid, partitioned, independent = found[0]
     columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]),
                                     int(row[5]), bool(row[6]), bool(row[7]))
-               for row in conn.execute(_COLUMNS_SQL, {"oid": oid})}
-    key = conn.execute(_KEY_SQL, {"oid": oid}).scalar()
-    return TargetTable(schema, name, columns, tuple(key or ()), bool(partitioned), bool(independent))
+               for row in rows(conn, _COLUMNS_SQL, {"oid": oid})}
+    keys = rows(conn, _KEY_SQL, {"oid": oid})
+    return TargetTable(schema, name, columns, tuple(keys[0][0] or ()) if keys else (),
+                       bool(partitioned), bool(independent))
 
 
 class Reflector:
-    """``reflect_table`` over one connection of ``engine``, opened for the first table and kept
-    until ``close``: a publication of many tables costs the target one connection (and the worker
-    one connection set-up) instead of one per table. Each table is read in a transaction of its
-    own; a failure drops the connection, and the next table opens another."""
+    """``reflect_table`` over one psycopg connection to the target ``dsn``, opened for the first
+    table and kept until ``close``: a publication of many tables costs the target one connection
+    (and the worker one connection set-up) instead of one per table. Each table is read in a
+    transaction of its own; a failure drops the connection, and the next table opens another."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self._conn: Connection | None = None
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._conn: psycopg.Connection[Any] | None = None
 
     def __call__(self, schema: str, name: str) -> TargetTable:
         if self._conn is None:
-            self._conn = self._engine.connect()
+            self._conn = connect(self._dsn, autocommit=True)
         try:
-            with self._conn.begin():
+            with self._conn.transaction():
                 return reflect_table(self._conn, schema, name)
         except BaseException:
             self.close()

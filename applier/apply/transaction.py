@@ -160,15 +160,11 @@ class TargetTransaction:
             pipeline.sync()
         self.committed(position, target_lsn[0] if target_lsn else None, fault)
 
-    def send_commit(self, pipeline: Pipeline, target_lsn: list[LSN], *, durable: bool = False) -> None:
-        """Queue COMMIT (``durable``: waiting for its WAL flush even with synchronous_commit off)
-        and, with synchronous_commit off and not ``durable``, the query whose answer, appended to
+    def send_commit(self, pipeline: Pipeline, target_lsn: list[LSN]) -> None:
+        """Queue COMMIT and, with synchronous_commit off, the query whose answer, appended to
         ``target_lsn``, is the WAL position to be flushed before the slot may hear of it."""
-        asynchronous = self.track_target_lsn and not durable
-        if self.track_target_lsn and durable:
-            pipeline.run(DURABLE_COMMIT, [])
         pipeline.send("COMMIT")
-        if asynchronous:
+        if self.track_target_lsn:
             pipeline.run(WAL_INSERT_LSN, [], on_value=lambda v: target_lsn.append(LSN.parse((v or b"0/0").decode())))
 
     def committed(self, position: Position | None, target_lsn: LSN | None,

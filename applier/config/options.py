@@ -147,7 +147,7 @@ OPTIONS: tuple[Option, ...] = (
            default=500, metavar="MS"),
     Option("batch_wait", "Fast apply: milliseconds a batch may wait, when the stream pauses, for "
            "more source transactions to join it before it commits. 0 commits at every pause (the "
-           "least lag); a few let batches grow with the load, so the target commits and flushes "
+           "least lag); a few let batches grow with the load, so the target commits "
            "less often: less CPU per transaction for a little more lag.", kind="int", default=2,
            metavar="MS"),
     Option("synchronous_commit", "synchronous_commit of the target session. 'off' is safe here: the "

@@ -20,12 +20,12 @@ from collections import Counter
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection
+import psycopg
 
 from ..config import ConfigError, Settings, mask_dsn
+from ..connections import connect
 from ..errors import SourceError
 from ..progress.bookkeeping import SqlBookkeeping
-from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..source.slots import slot_info
 from .lag import Lag, LagLimit, measure_lag
@@ -73,7 +73,7 @@ class Telemetry:
         self._stopping = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
-        self._connections: list[Connection | None] = [None, None]  # the probe's: source, target
+        self._connections: list[psycopg.Connection[Any] | None] = [None, None]  # the probe's: source, target
 
     @classmethod
     def from_settings(cls, settings: Settings, slot: str) -> Telemetry:
@@ -205,9 +205,9 @@ class Telemetry:
         source, target = self._connections
         try:
             if source is None:
-                source = self._connections[0] = make_engine(self._source_dsn).connect()
+                source = self._connections[0] = connect(self._source_dsn)
             if target is None:
-                target = self._connections[1] = make_engine(self._target_dsn).connect()
+                target = self._connections[1] = connect(self._target_dsn)
             self._probe = self._probe_once(source, target)
         except Exception as exc:  # noqa: BLE001 - any failure: report it, reconnect next time
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -220,7 +220,7 @@ class Telemetry:
                         pass
             self._connections = [None, None]
 
-    def _probe_once(self, source: Connection, target: Connection) -> Probe:
+    def _probe_once(self, source: psycopg.Connection[Any], target: psycopg.Connection[Any]) -> Probe:
         started = time.perf_counter()
         _, source_lsn = source_wal_position(source)
         source_rtt = time.perf_counter() - started

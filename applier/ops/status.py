@@ -22,10 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-from sqlalchemy import Connection
-from sqlalchemy.exc import DBAPIError
+from typing import TYPE_CHECKING, Any
 
 from ..assembler.buffer import default_spill_dir
 from ..config import Settings, mask_dsn
@@ -39,6 +36,9 @@ from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
 from ..units import readable_size
 from .lag import Lag, measure_lag
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
 
 __all__ = ["StatusReport", "source_wal_position", "done_position", "status", "collect_status",
            "StatusError"]
@@ -79,7 +79,7 @@ class StatusReport:
 
 # -- queries shared with the metrics probe --------------------------------------------------------
 
-def source_wal_position(conn: Connection) -> tuple[str, LSN]:
+def source_wal_position(conn: Any) -> tuple[str, LSN]:
     """(database name, the source's current WAL position; replayed position on a standby)."""
     row = rows(conn, "SELECT pg_catalog.current_database(), CASE WHEN pg_catalog.pg_is_in_recovery() "
                      "THEN pg_catalog.pg_last_wal_replay_lsn() ELSE pg_catalog.pg_current_wal_lsn() "
@@ -150,6 +150,8 @@ class StatusError(Exception):
 
 @contextmanager
 def _reading(side: str, dsn: str) -> Iterator[Connection]:
+    from sqlalchemy.exc import DBAPIError  # status only: the worker's telemetry does not load it
+
     try:
         with make_engine(dsn).connect() as conn:
             yield conn

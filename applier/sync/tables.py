@@ -17,9 +17,9 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psycopg
-from sqlalchemy import Engine
 
 from ..config import Settings
 from ..progress.bookkeeping import SqlBookkeeping
@@ -31,6 +31,9 @@ from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
 from .target import TargetCheckError, is_empty, prepare_targets, target_session
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 __all__ = ["CopyRound", "copy_round"]
 

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import psycopg
-from sqlalchemy import Connection, Engine
 
 from ..apply.mapping import MissingTargetTable, TargetTable, reflect_table
 from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..quoting import ident
 from .catalog import PublishedTable, SourceColumn, TableDefinition, source_column_types, table_definition
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection, Engine
 
 __all__ = ["TargetCheckError", "TargetPlan", "prepare_targets", "target_session", "is_empty",
            "build_secondary_indexes"]

@@ -33,12 +33,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
-from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
 from ..apply.skipping import describe_request
 from ..assembler.buffer import default_spill_dir
 from ..config import ConfigError, Settings, mask_dsn
+from ..connections import connect
 from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decide
 from ..exit_codes import ExitCode
 from ..headstart import HeadStart
@@ -46,7 +46,7 @@ from ..ops.metrics import Telemetry
 from ..preflight import PreflightFailed, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
-from ..progress.schema import make_engine, upgrade_schema
+from ..progress.schema import ensure_schema
 from .loop import StopRequested
 from .retention import FeedRetention
 from .session import ReplicationSession, SessionState
@@ -88,7 +88,6 @@ class Worker:
         self.slot = settings.required("slot")
         self.stop_requested = False
         self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
-        self._engine: Engine | None = None
         self._lock: WorkerLock | None = None
         self._state = SessionState()
         self._failures_without_progress = 0
@@ -104,12 +103,11 @@ class Worker:
         retention: FeedRetention | None = None
         try:
             self.telemetry.start()
-            engine = self._engine = make_engine(self.settings.required("target"))
             if self.settings.create_slot:
                 # Before the bookkeeping schema or the slot is created: a start that cannot
                 # succeed must leave nothing behind on either server.
                 self._with_retry(self._preflight)
-            self._with_retry(lambda: upgrade_schema(engine))
+            self._with_retry(lambda: ensure_schema(self.settings.required("target")))
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
                      mask_dsn(self.settings.required("source")), mask_dsn(self.settings.required("target")))
@@ -158,11 +156,10 @@ class Worker:
                                f"run it again:\n{PreflightFailed(problems)}")
 
     def _request_skip(self) -> None:
-        assert self._engine is not None
         lsn = self.settings.skip_lsn
         assert lsn is not None
         try:
-            with self._engine.begin() as conn:
+            with connect(self.settings.required("target")) as conn:
                 previous = SqlBookkeeping(conn).request_skip(self.slot, lsn)
         except ValueError as exc:  # already behind the recorded position: nothing left to skip
             log.warning("--skip-lsn ignored: %s", exc)
@@ -206,11 +203,10 @@ class Worker:
                 func()
 
     def _session(self) -> None:
-        assert self._engine is not None and self._lock is not None
+        assert self._lock is not None
         self._lock.ensure()  # a lost lock connection (a target restart) is taken again first
-        session = ReplicationSession(self.settings, self._state, self._engine, self.telemetry,
-                                     self._head_start, self._stopping, self._warn_once,
-                                     self.spill_dir)
+        session = ReplicationSession(self.settings, self._state, self.telemetry, self._head_start,
+                                     self._stopping, self._warn_once, self.spill_dir)
         try:
             session.run()
         except (StopRequested, ConfigError):
@@ -225,10 +221,10 @@ def _tune_gc() -> None:
     """Make the cyclic garbage collector rare on the hot path. Every message, row and batch entry
     is a short-lived container object, so with the default threshold (700 allocations) the
     collector runs every few hundred rows, and its older-generation passes walk everything alive:
-    the open batch, the startup's modules (SQLAlchemy, alembic). Those passes cost a third of the
-    time of a large transaction and find nothing (the hot path makes no reference cycles), so:
-    startup objects move to the permanent generation, and a young collection waits for 50,000
-    allocations (a few MB of objects at most)."""
+    the open batch, the startup's modules. Those passes cost a third of the time of a large
+    transaction and find nothing (the hot path makes no reference cycles), so: startup objects
+    move to the permanent generation, and a young collection waits for 50,000 allocations (a few
+    MB of objects at most)."""
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
 

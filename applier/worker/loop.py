@@ -2,9 +2,17 @@
 
 Owns when the fast path's batch commits because the stream paused, when commits made with
 ``synchronous_commit = off`` are confirmed to the slot (only once the target reports its WAL
-flushed past them: ``progress.flush.FlushTracker``, invariant 3), confirming the keepalive's WAL
-end when nothing is open, and ``--exit-when-caught-up``. Must never apply or decode anything: the
-ingest gate and the apply stage do.
+flushed past them: ``progress.flush.FlushTracker``, invariant 3) and when they are made durable
+at once because the stream went quiet, confirming the keepalive's WAL end when nothing is open,
+and ``--exit-when-caught-up``. Must never apply or decode anything: the ingest gate and the apply
+stage do.
+
+Rows are made visible before they are made durable, as PostgreSQL's own subscriber does: a batch
+committed at a pause commits with ``synchronous_commit = off`` like any other, so its rows are
+visible as soon as COMMIT returns instead of after the target's WAL flush (a few milliseconds on
+a quiet disk, seconds behind a checkpoint's). The slot hears of it once the target's WAL writer
+has flushed it or, when the stream stays quiet for ``DURABLE_AFTER_QUIET``, once one durable
+rewrite of the progress row has.
 """
 
 from __future__ import annotations
@@ -33,6 +41,11 @@ log = logging.getLogger(__name__)
 #: How long one read waits for the rest of a source transaction received in part (and so a batch
 #: that cannot commit yet) before the loop looks at its timers again.
 MID_TRANSACTION_WAIT = 0.05
+#: How long the stream must stay quiet after commits made with synchronous_commit off before they
+#: are made durable at once, rather than left to the target's WAL writer (up to three
+#: wal_writer_delay). Shorter pauses are the gaps between source transactions under load: a WAL
+#: flush waited for there would hold back the transactions that follow.
+DURABLE_AFTER_QUIET = 0.02
 
 
 class StopRequested(Exception):
@@ -79,38 +92,45 @@ class StreamLoop:
         """Until stopped (``StopRequested``) or, with a goal, caught up."""
         stream, assembler, applier, unflushed = self.stream, self.assembler, self.applier, self.unflushed
         last_flush_check = 0.0
+        last_received = time.monotonic()
         while not self.stop_requested():
             # With the fast path's batch open between source transactions, take only what has
             # arrived, or what arrives while the batch may still wait for more (--batch-wait);
             # the moment the stream pauses after that, commit it. Inside a source transaction,
-            # wait for the rest of it: nothing can commit before it ends. Likewise make commits
-            # still waiting for the target's WAL flush durable at once when nothing is open.
-            # Waiting for the WAL flush otherwise (a streamed transaction open) or (to exit when
-            # caught up) for a keepalive past the goal, look again soon: a keepalive asked for may
-            # still show the position before the goal. Past the goal already (a start with
-            # nothing to do), wait for nothing before checking the slot.
+            # wait for the rest of it: nothing can commit before it ends. Make commits still
+            # waiting for the target's WAL flush durable once nothing is open and the stream has
+            # been quiet for DURABLE_AFTER_QUIET. Waiting for the WAL flush otherwise (a streamed
+            # transaction open) or (to exit when caught up) for a keepalive past the goal, look
+            # again soon: a keepalive asked for may still show the position before the goal. Past
+            # the goal already (a start with nothing to do), wait for nothing before checking the
+            # slot.
             caught_up = self.caught_up
             past_goal = caught_up is not None and stream.flush_lsn >= caught_up.goal
             waiting = bool(unflushed) or (caught_up is not None and not past_goal)
             latest = unflushed.latest
             flush_at_pause = (latest is not None and assembler.idle
                               and latest.source_end != self._rewrite_failed_for)
+            quiet_left = DURABLE_AFTER_QUIET - (time.monotonic() - last_received)
             if applier.holds_uncommitted:
                 timeout = applier.wait_left() if assembler.between_transactions else MID_TRANSACTION_WAIT
             else:
-                timeout = 0 if flush_at_pause or past_goal else 0.05 if waiting else 0.5
+                timeout = (0 if past_goal else max(0.0, quiet_left) if flush_at_pause
+                           else 0.05 if waiting else 0.5)
             batch = stream.read_batch(timeout=timeout)
+            if batch:
+                last_received = time.monotonic()
             self.gate.feed(batch)
             self.progress.maybe_log(stream)
             # A streamed transaction may stay open on the source for as long as it likes: what
             # committed meanwhile is committed here the moment the stream pauses all the same.
             if (not batch and applier.holds_uncommitted and assembler.between_transactions
                     and applier.wait_left() == 0):
-                applier.flush(durable=True)
-            elif not batch and flush_at_pause and not applier.holds_uncommitted:
-                # The stream paused after commits made with synchronous_commit off (a batch full
-                # before the pause): make them durable and confirm them now, instead of polling
-                # until the target's WAL writer has flushed them (up to three wal_writer_delay).
+                applier.flush()
+            elif (not batch and flush_at_pause and not applier.holds_uncommitted
+                  and time.monotonic() - last_received >= DURABLE_AFTER_QUIET):
+                # The stream went quiet after commits made with synchronous_commit off: make
+                # them durable and confirm them now, instead of polling until the target's WAL
+                # writer has flushed them (up to three wal_writer_delay).
                 assert latest is not None
                 if applier.tx.make_durable():
                     confirmed = unflushed.all_durable()

@@ -21,12 +21,13 @@ import threading
 import time
 
 import psycopg
-from sqlalchemy import Engine
 
 from ..config import Settings
+from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.records import TableName
+from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..sync.catalog import PublishedTable, published_tables
 from ..sync.tables import CopyRound, copy_round
@@ -47,11 +48,13 @@ class PublicationChanged(ApplierError):
 
 
 class PublicationFollower:
-    def __init__(self, settings: Settings, slot: str, engine: Engine, control: psycopg.Connection,
+    def __init__(self, settings: Settings, slot: str, control: psycopg.Connection,
                  stop: threading.Event) -> None:
         self.settings = settings
         self.slot = slot
-        self.engine = engine
+        #: The bookkeeping is read and written over psycopg connections of its own (each ``with``
+        #: block one transaction); SQLAlchemy is loaded only for a copy (``sync.tables``).
+        self.target = settings.required("target")
         self.control = control
         self.stop = stop
         #: The tables this session follows.
@@ -65,12 +68,12 @@ class PublicationFollower:
         note what was removed. Returns the sync LSNs of the tables copied."""
         tables = self._published()
         if tables is None:  # the catalog is busy: follow what was known, look again later
-            with self.engine.connect() as conn:
+            with connect(self.target) as conn:
                 known = SqlBookkeeping(conn).publication_tables(self.slot)
             self._known = known
             self.published = {k for k, state in known.items() if state != "removed"}
             return {}
-        with self.engine.begin() as conn:
+        with connect(self.target) as conn:
             store = SqlBookkeeping(conn)
             known = store.publication_tables(self.slot)
             if not known:
@@ -149,7 +152,7 @@ class PublicationFollower:
         log.info("copying %s (added to the publication) before streaming", names)
         started = time.monotonic()
         self._set([t.key for t in tables], "copying")
-        lsn = copy_round(self.settings, self.engine, CopyRound(self.slot, tables, False, ours),
+        lsn = copy_round(self.settings, make_engine(self.target), CopyRound(self.slot, tables, False, ours),
                          self.stop)
         self._set([t.key for t in tables], "published")
         log.info("copied %s in %.1f s (sync LSN %s): its changes from then on are applied", names,
@@ -157,6 +160,6 @@ class PublicationFollower:
         return {t.key: lsn for t in tables}
 
     def _set(self, tables: list[TableName], state: str) -> None:
-        with self.engine.begin() as conn:
+        with connect(self.target) as conn:
             SqlBookkeeping(conn).set_publication_tables(self.slot, tables, state)
         self._known.update(dict.fromkeys(tables, state))

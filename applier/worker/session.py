@@ -45,8 +45,6 @@ from .loop import CaughtUp, StreamLoop
 from .publication import PublicationFollower
 
 if TYPE_CHECKING:
-    from sqlalchemy import Engine
-
     from ..headstart import HeadStart
     from ..ops.metrics import Telemetry
 
@@ -72,13 +70,12 @@ class SessionState:
 
 
 class ReplicationSession:
-    def __init__(self, settings: Settings, state: SessionState, engine: Engine,
-                 telemetry: Telemetry, head_start: HeadStart | None, stopping: threading.Event,
+    def __init__(self, settings: Settings, state: SessionState, telemetry: Telemetry,
+                 head_start: HeadStart | None, stopping: threading.Event,
                  warn: Callable[[str], None], spill_dir: Path) -> None:
         self.settings = settings
         self.slot = settings.required("slot")
         self.state = state
-        self.engine = engine
         self.telemetry = telemetry
         self.head_start = head_start
         self.stopping = stopping
@@ -100,12 +97,12 @@ class ReplicationSession:
         applier: Applier | None = None
         early: StreamingApply | None = None
         loop: StreamLoop | None = None
-        reflector = Reflector(self.engine)
+        reflector = Reflector(settings.required("target"))
         try:
             slot_two_phase = self._check_source(control)
             # Tables added to a publication (while stopped, or noticed last session) are copied
             # before anything else; their changes are then filtered by their sync LSN.
-            publications = PublicationFollower(settings, self.slot, self.engine, control, self.stopping)
+            publications = PublicationFollower(settings, self.slot, control, self.stopping)
             copied = publications.start()
             feeds = self._change_feed(publications.published, copied)
             try:
@@ -210,7 +207,7 @@ class ReplicationSession:
         if missing:
             raise ConfigError(f"change_feed: {', '.join(f'{s}.{t}' for s, t in missing)} not published "
                               f"by {', '.join(self.settings.publication)}")
-        with self.engine.begin() as conn:
+        with connect(self.settings.required("target")) as conn:
             store = SqlBookkeeping(conn)
             position = store.position(self.slot)
             sync_lsns = {key: state.sync_lsn for key, state in store.table_states(self.slot).items()

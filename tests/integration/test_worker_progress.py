@@ -1,9 +1,11 @@
-"""Progress bookkeeping: concurrent schema upgrades, idle slots never holding WAL back, and
-authentication failures as clear permanent errors."""
+"""Progress bookkeeping: concurrent schema upgrades, the worker's check of the schema without
+SQLAlchemy, idle slots never holding WAL back, and authentication failures as clear permanent
+errors."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -22,10 +24,11 @@ from replication import (
 
 from applier.apply.target import TargetSession
 from applier.apply.transaction import TargetTransaction
+from applier.errors import Cause, TargetError
 from applier.progress.lock import WorkerLock
 from applier.progress.postgres import PostgresApplyStore
 from applier.progress.records import AppliedPosition
-from applier.progress.schema import MIGRATIONS_DIR, SCHEMA_HEAD, make_engine, upgrade_schema
+from applier.progress.schema import MIGRATIONS_DIR, SCHEMA_HEAD, ensure_schema, make_engine, upgrade_schema
 from applier.protocol.lsn import LSN
 
 pytestmark = pytest.mark.server
@@ -68,6 +71,52 @@ def test_a_current_schema_is_left_as_it_is_and_an_older_one_upgraded(target_db) 
     upgrade_schema(engine)
     assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
     assert target_db.query("SELECT to_regclass('applier.marker') IS NOT NULL") == [(True,)]
+
+
+_ENSURE = """
+import sys
+from applier.progress.schema import ensure_schema
+ensure_schema(sys.argv[1])
+print(sorted({name.split(".")[0] for name in sys.modules} & {"sqlalchemy", "alembic"}))
+"""
+
+
+def _ensure_in_a_new_process(dsn: str) -> list[str]:
+    """``ensure_schema`` in a fresh interpreter; the SQLAlchemy and alembic packages it loaded."""
+    done = subprocess.run([sys.executable, "-c", _ENSURE, dsn], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=True)
+    return eval(done.stdout)  # a list of names, printed by the script above
+
+
+def test_the_worker_start_creates_and_upgrades_the_schema_and_loads_alembic_only_then(target_db) -> None:
+    """ensure_schema (the worker's start) reads the revision over psycopg: a fresh target and an
+    older schema are brought to SCHEMA_HEAD through alembic; a current one costs one query, and
+    neither SQLAlchemy nor alembic is loaded."""
+    assert _ensure_in_a_new_process(target_db.dsn) == ["alembic", "sqlalchemy"]
+    assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
+    target_db.execute("CREATE TABLE applier.marker (id int)")
+    assert _ensure_in_a_new_process(target_db.dsn) == []
+    assert target_db.query("SELECT to_regclass('applier.marker') IS NOT NULL") == [(True,)]
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    with make_engine(target_db.dsn).begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, "-1")
+    assert target_db.query("SELECT version_num FROM applier.alembic_version") != [(SCHEMA_HEAD,)]
+    assert _ensure_in_a_new_process(target_db.dsn) == ["alembic", "sqlalchemy"]
+    assert target_db.query("SELECT version_num FROM applier.alembic_version") == [(SCHEMA_HEAD,)]
+
+
+def test_the_worker_start_reports_an_unreachable_target_as_upgrade_schema_did(target_db) -> None:
+    dsn = target_db.dsn.replace("postgres@", "no_such_role@")
+    with pytest.raises(TargetError) as checked:
+        ensure_schema(dsn)
+    with pytest.raises(TargetError) as upgraded:
+        upgrade_schema(make_engine(dsn))
+    assert str(checked.value) == str(upgraded.value)
+    assert 'role "no_such_role" does not exist' in str(checked.value)
+    assert checked.value.cause is upgraded.value.cause is Cause.NEEDS_OPERATOR
+    assert checked.value.sqlstate == upgraded.value.sqlstate
 
 
 def test_writes_to_unpublished_tables_do_not_hold_the_slot_back(source_db, target_db, tmp_path: Path) -> None:
@@ -146,6 +195,38 @@ def test_make_durable_makes_asynchronous_commits_durable_at_once(target_db) -> N
                                "FROM applier.progress") == [("0/10", "0/20", "2026-01-01")]
     finally:
         session.close()
+        with target_db.connect() as admin:
+            admin.execute("ALTER SYSTEM RESET wal_writer_delay")
+            admin.execute("SELECT pg_reload_conf()")
+
+
+def test_a_batch_at_a_pause_is_visible_first_then_made_durable_once_the_stream_is_quiet(
+        source_db, target_db, tmp_path: Path) -> None:
+    """A batch committed because the stream paused commits with synchronous_commit off, like any
+    other, so its rows are visible without waiting for the target's WAL flush; once the stream has
+    stayed quiet, one durable rewrite of the progress row (a transaction of its own, after the
+    batch's) flushes it, and only then is the slot told. The WAL writer is told to wait 10 s here,
+    so it is not what flushed it."""
+    replicated_table(source_db, target_db)
+    with target_db.connect() as admin:
+        admin.execute("ALTER SYSTEM SET wal_writer_delay = '10s'")
+        admin.execute("SELECT pg_reload_conf()")
+    worker = start_worker(source_db, target_db, log_path=tmp_path / "w.log")
+    try:
+        source_db.execute("INSERT INTO t VALUES (1)")
+        goal = source_db.query("SELECT pg_current_wal_lsn()::text")[0][0]
+        wait_for(lambda: source_db.query(
+            "SELECT confirmed_flush_lsn >= %s::pg_lsn FROM pg_replication_slots "
+            "WHERE slot_name = 's'", (goal,)) == [(True,)],
+            timeout=5, what="the slot to confirm the row, well before the WAL writer's 10 s")
+        # The batch's transaction wrote the row and the progress row; the rewrite, a later
+        # transaction, wrote the progress row again.
+        row_xid, progress_xid = target_db.query(
+            "SELECT (SELECT xmin::text::bigint FROM t WHERE id = 1), "
+            "(SELECT xmin::text::bigint FROM applier.progress WHERE slot_name = 's')")[0]
+        assert progress_xid > row_xid
+    finally:
+        assert stop_worker(worker) == 0
         with target_db.connect() as admin:
             admin.execute("ALTER SYSTEM RESET wal_writer_delay")
             admin.execute("SELECT pg_reload_conf()")

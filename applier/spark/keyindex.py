@@ -61,10 +61,11 @@ class KeyIndex:
                    tuple(Layer(la["directory"], int(la["rows"])) for la in data["layers"]))
 
 
-def _written(spark: SparkSession, frame: DataFrame, output: Path, directory: str) -> Layer:
+def _written(spark: SparkSession, frame: DataFrame, output: Path, directory: str,
+             rows: int | None = None) -> Layer:
     frame.write.mode("overwrite").parquet(str(output / directory))
-    # Counted from the Parquet footers: no second pass over the data.
-    return Layer(directory, spark.read.parquet(str(output / directory)).count())
+    # Unless known, counted from the Parquet footers: no second pass over the data.
+    return Layer(directory, spark.read.parquet(str(output / directory)).count() if rows is None else rows)
 
 
 def write_base(spark: SparkSession, entries: DataFrame, output: Path, stamp: str) -> KeyIndex:
@@ -106,30 +107,26 @@ def lookup(spark: SparkSession, output: Path, index: KeyIndex, keys: DataFrame,
     return _newest(entries.join(F.broadcast(keys), list(key), "inner"), key)
 
 
-def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataFrame,
+def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataFrame, rows: int,
                 key: tuple[str, ...], stamp: str) -> KeyIndex:
-    """``index`` with ``layer`` (the changed keys' entries, tombstones flagged in ``DELETED``)
-    on top: one more layer, or, once the layers would pass their share of the base, a new base
-    of every key's newest entry. Columns are cast to the base's types, so that every layer
-    reads back as the base does."""
+    """``index`` with ``layer`` (``rows`` entries of changed keys, one per key, tombstones
+    flagged in ``DELETED``) on top: one more layer, or, once the layers would pass their share
+    of the base, a new base of every key's newest entry. Columns are cast to the base's types,
+    so that every layer reads back as the base does."""
     from pyspark.sql import functions as F
 
+    if not rows:
+        return index
     schema = spark.read.parquet(str(output / index.base.directory)).schema
     layer = layer.select(*[F.col(f"`{f.name}`").cast(f.dataType).alias(f.name) for f in schema],
-                         F.col(DELETED)).persist()
-    try:
-        changed = layer.count()
-        if not changed:
-            return index
-        rows = changed + sum(la.rows for la in index.layers)
-        if len(index.layers) < MAX_LAYERS and rows <= LAYER_SHARE * index.base.rows:
-            return KeyIndex(index.base, (*index.layers, _written(spark, layer, output, f"layer-{stamp}")))
-        # Compaction: the base's keys no layer has, and the newest live entry of those it has.
-        layers = _layers(spark, output, index.layers, 1).unionByName(
-            layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \
-            layer.withColumn(_ORDER, F.lit(1))
-        base = spark.read.parquet(str(output / index.base.directory))
-        kept = base.join(layers.select(*key).distinct(), list(key), "left_anti")
-        return write_base(spark, kept.unionByName(_newest(layers, key)), output, stamp)
-    finally:
-        layer.unpersist()
+                         F.col(DELETED))
+    if len(index.layers) < MAX_LAYERS and rows + sum(la.rows for la in index.layers) <= \
+            LAYER_SHARE * index.base.rows:
+        return KeyIndex(index.base, (*index.layers, _written(spark, layer, output, f"layer-{stamp}", rows)))
+    # Compaction: the base's keys no layer has, and the newest live entry of those it has.
+    layers = _layers(spark, output, index.layers, 1).unionByName(
+        layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \
+        layer.withColumn(_ORDER, F.lit(1))
+    base = spark.read.parquet(str(output / index.base.directory))
+    kept = base.join(layers.select(*key).distinct(), list(key), "left_anti")
+    return write_base(spark, kept.unionByName(_newest(layers, key)), output, stamp)

@@ -123,10 +123,10 @@ def _index_columns(key: tuple[str, ...], group_by: str, measure: str) -> list[st
 
 def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table: str,
                  key: tuple[str, ...], previous: dict[str, Any], index: KeyIndex,
-                 output: Path) -> tuple[DataFrame, DataFrame, DataFrame] | str:
+                 output: Path) -> tuple[DataFrame, DataFrame, DataFrame, int] | str:
     """From the changes since the previous round: the new result, the key index's new layer
-    (changed keys' entries and tombstones) and the changes (persisted: the caller unpersists
-    them once both are written); or why the round must recompute in full."""
+    (changed keys' entries and tombstones), the changes (persisted: the caller unpersists them
+    once both are written) and how many keys changed; or why the round must recompute in full."""
     from pyspark.sql import functions as F
 
     group_by, measure = settings.group_by, settings.measure
@@ -136,7 +136,9 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
         return f"full ({exc})"
     columns = [spark_column(c) for c in _index_columns(key, group_by, measure)]
     changes = changes.select("change_op", *columns).persist()
-    if changes.where(F.col("change_op") == "T").limit(1).count():
+    # One pass over the changes: it fills the cache every later step reads.
+    ops: dict[str, int] = {op: n for op, n in changes.groupBy("change_op").count().collect()}
+    if "T" in ops:
         changes.unpersist()
         return "full (the table was truncated)"
     # Each changed key takes its old entry's contribution away and adds its final row's (none
@@ -149,7 +151,7 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
     result = _merge(spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn"),
                     delta, group_by, measure)
     layer = changes.select(*columns, (F.col("change_op") == "D").alias(DELETED))
-    return result, layer, changes
+    return result, layer, changes, sum(ops.values())
 
 
 def _mode(settings: Settings, key: tuple[str, ...], previous: dict[str, Any] | None,
@@ -213,12 +215,12 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
         extra: dict[str, Any] = {}
         if found is not None:
             mode = "incremental"
-            result, layer, changes = found
+            result, layer, changes, changed = found
             result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
                 .write.mode("overwrite").parquet(str(output / data))
             assert index is not None
-            new_index: KeyIndex | None = write_layer(spark, output, index, layer, key, stamp)
-            extra["changed_keys"] = changes.count()
+            new_index: KeyIndex | None = write_layer(spark, output, index, layer, changed, key, stamp)
+            extra["changed_keys"] = changed
             changes.unpersist()
         else:
             rows = read_table(spark, table, snap,

@@ -36,6 +36,7 @@ SIGTERM (which end the loop between rounds); ``--rounds N`` bounds the count.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import sys
@@ -169,16 +170,17 @@ def _mode(settings: Settings, key: tuple[str, ...], previous: dict[str, Any] | N
     return None
 
 
-def _discard(output: Path, previous: dict[str, Any] | None, kept: set[str]) -> None:
-    """Remove the previous round's directories the new state no longer names (only once the new
-    state is in place: until then they are the committed result)."""
-    if previous is None:
-        return
-    index = KeyIndex.from_state(previous.get("key_index"))
-    names = [previous.get("data"), previous.get("keys"), *(index.directories if index else [])]
-    for name in names:
-        if name and name not in kept:
-            shutil.rmtree(output / name, ignore_errors=True)
+#: The directories rounds write (``stamp`` in ``run_pipeline_job``: commit LSN, nanoseconds).
+_ROUND_DIRECTORY = re.compile(r"(data|keys|layer)-[0-9A-F]+-[0-9A-F]+-[0-9]+")
+
+
+def _discard(output: Path, kept: set[str]) -> None:
+    """Remove the round directories the new state does not name: the previous round's, and any
+    a round that died before its commit left. Only once the new state is in place: until then
+    the previous ones are the committed result."""
+    for path in output.iterdir():
+        if path.is_dir() and _ROUND_DIRECTORY.fullmatch(path.name) and path.name not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
@@ -239,7 +241,7 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
     temporary = output / (STATE_FILE + ".tmp")
     temporary.write_text(json.dumps(state, indent=2) + "\n")
     temporary.replace(output / STATE_FILE)  # the switch to the new result is one rename
-    _discard(output, previous, {data, *(new_index.directories if new_index else [])})
+    _discard(output, {data, *(new_index.directories if new_index else [])})
     return state
 
 

@@ -360,6 +360,8 @@ def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_rou
                     assert key not in after
                 else:
                     assert (row["id"], row["customer_id"], row["total"]) == after[key]
+        if n == 1:  # what a round that died before its commit leaves: gone after the next one
+            (output / "layer-0-16B3748-1").mkdir()
         state = _pipeline(output, target_db)
         assert state["mode"] == ("full (the table was truncated)" if n == 5 else "incremental"), (n, state)
         assert _result(spark, output) == _expected(target_db, state["commit_lsn"]), n

@@ -122,7 +122,9 @@ def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataF
                          F.col(DELETED))
     if len(index.layers) < MAX_LAYERS and rows + sum(la.rows for la in index.layers) <= \
             LAYER_SHARE * index.base.rows:
-        return KeyIndex(index.base, (*index.layers, _written(spark, layer, output, f"layer-{stamp}", rows)))
+        # A round's changes: one file, as the result.
+        return KeyIndex(index.base, (*index.layers,
+                                     _written(spark, layer.coalesce(1), output, f"layer-{stamp}", rows)))
     # Compaction: the base's keys no layer has, and the newest live entry of those it has.
     layers = _layers(spark, output, index.layers, 1).unionByName(
         layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \

@@ -215,11 +215,17 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
         stamp = f"{position.commit_lsn.replace('/', '-')}-{time.time_ns()}"
         data = f"data-{stamp}"
         extra: dict[str, Any] = {}
+
+        def publish(result: DataFrame) -> None:
+            # One row per group: one file, written by one task (a file per shuffle partition
+            # costs a task and a Parquet writer each, and more files to list next round).
+            result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)).coalesce(1) \
+                .write.mode("overwrite").parquet(str(output / data))
+
         if found is not None:
             mode = "incremental"
             result, layer, changes, changed = found
-            result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
-                .write.mode("overwrite").parquet(str(output / data))
+            publish(result)
             assert index is not None
             new_index: KeyIndex | None = write_layer(spark, output, index, layer, changed, key, stamp)
             extra["changed_keys"] = changed
@@ -227,8 +233,7 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
         else:
             rows = read_table(spark, table, snap,
                               columns=_index_columns(key, group_by, measure)).persist()
-            _aggregate(rows, group_by, measure).withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
-                .write.mode("overwrite").parquet(str(output / data))
+            publish(_aggregate(rows, group_by, measure))
             new_index = write_base(spark, rows, output, stamp) if key else None
             rows.unpersist()
         groups = spark.read.parquet(str(output / data)).count()

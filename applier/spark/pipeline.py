@@ -8,9 +8,10 @@ reflects: every row carries ``source_commit_lsn``, and ``_applier_state.json`` r
 LSN, end LSN, commit time, the snapshot, how the round computed the result, the result's
 directory and the key index's (:mod:`.keyindex`). Must never write to the replica, and never
 leave a half-written result where the last good one was: a round writes new directories, then
-renames the state file over the old one (the commit), and only then removes the directories
-that only the old state named. A round that dies before the rename leaves the previous state
-valid, and the next round starts again from its LSN (exactly once).
+renames the state file over the old one (the commit), and only then removes the round
+directories the new state does not name (the old state's, and those of a round that died). A
+round that dies before the rename leaves the previous state valid, and the next round starts
+again from its LSN (exactly once).
 
 Incremental or full, and why. When the worker records the table in the change feed
 (``--change-feed``), a round after the first reads only the changes committed since the previous
@@ -117,6 +118,7 @@ def _merge(previous: DataFrame, delta: DataFrame, group_by: str, measure: str) -
          .otherwise(plus(summed, "_summed")).cast(types[summed]).alias(summed),
     ).where(F.col("rows") > 0)
 
+
 def _index_columns(key: tuple[str, ...], group_by: str, measure: str) -> list[str]:
     """The key index's columns: the key, then the group and measure it adds to."""
     return [*dict.fromkeys([*key, group_by, measure])]
@@ -186,7 +188,7 @@ def _discard(output: Path, kept: set[str]) -> None:
 def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
     """One round: read at one snapshot, aggregate (by deltas when the change feed allows it),
     write the result and the key index's new base or layer, then the state naming them and the
-    position (the commit), then remove what only the previous state named."""
+    position (the commit), then remove the round directories it does not name."""
     from pyspark.sql import functions as F
 
     assert settings.target is not None and settings.output is not None  # required by the command

@@ -5,8 +5,11 @@ of a 2,000,000-row table changed (inserts, updates, deletes) against a full reco
 result, at least 5x faster"). One source and one target server (throwaway, ``applier.embedded``).
 The source gets ``bench_pipeline (id bigint PRIMARY KEY, grp int, amount numeric(12,2), pad
 text)`` with ``--rows`` rows spread over ``--groups`` groups; ``applier sync --change-feed all``
-copies it, and ``applier pipeline`` (group by ``grp``, sum of ``amount``) runs once, in full.
-Then, ``--repeat`` times:
+copies it (nothing streams after the copy: the pipeline starts from the copy's position), and
+``applier pipeline`` (group by ``grp``, sum of ``amount``) runs once, in full. Then two parts,
+``--repeat`` timed rounds each:
+
+*Whole processes* (as from cron), each round:
 
 1. on the source, ``--change-fraction`` of the rows change: a third deleted, a third updated
    (each moved to another group, its amount changed), a third inserted, picked at random; the
@@ -20,9 +23,13 @@ Then, ``--repeat`` times:
 4. both results (Parquet, read back with Spark after the timings) must equal each other and a
    ``GROUP BY`` on the target, at the same commit LSN.
 
+*One Spark session* (as ``applier pipeline --every``): the same steps, but the two pipelines are
+``run_pipeline_job`` calls in this process's session, timed from call to return; an untimed
+warm-up round first (a new JVM's first jobs load classes and compile).
+
 It prints every round and the medians: process seconds, the seconds the pipeline itself reports
 (``seconds`` in its state file: from opening the snapshot to the written result, Spark start-up
-excluded) and the ratio full / incremental.
+excluded), in-session seconds, and the ratios full / incremental.
 
     .venv/bin/python bench/pipeline.py [--rows 2000000] [--change-fraction 0.01] [--groups 1000]
                                        [--repeat 3] [--pg-version 18] [--master local[*]]
@@ -112,15 +119,29 @@ def change(dsn: str, rows: int, fraction: float, groups: int) -> tuple[int, int]
 
 def sql_result(dsn: str) -> dict:
     with psycopg.connect(dsn) as conn:
-        return {g: (n, s) for g, n, s in
-                conn.execute(f"SELECT grp, count(*), sum(amount) FROM {TABLE} GROUP BY grp")}
+        return {g: (n, k, s) for g, n, k, s in
+                conn.execute(f"SELECT grp, count(*), count(amount), sum(amount) FROM {TABLE} GROUP BY grp")}
 
 
 def parquet_result(spark, output: Path) -> tuple[dict, set]:
     """A pipeline output's groups (rows, sum) and the commit LSNs its rows carry."""
     state = json.loads((output / "_applier_state.json").read_text())
     found = spark.read.parquet(str(output / state["data"])).collect()
-    return {r["grp"]: (r["rows"], r["sum_amount"]) for r in found}, {r["source_commit_lsn"] for r in found}
+    groups = {r["grp"]: (r["rows"], r["count_amount"], r["sum_amount"]) for r in found}
+    return groups, {r["source_commit_lsn"] for r in found}
+
+
+def same_results(spark, outputs: dict[str, Path], states: dict[str, dict], tgt: str) -> bool:
+    """Both results equal each other and a GROUP BY on the target, all at the same commit LSN."""
+    incremental, lsns_i = parquet_result(spark, outputs["incremental"])
+    full, lsns_f = parquet_result(spark, outputs["full"])
+    lsn = states["full"]["commit_lsn"]
+    return (states["incremental"]["mode"] == "incremental" and incremental == full == sql_result(tgt)
+            and lsns_i == lsns_f == {lsn} and states["incremental"]["commit_lsn"] == lsn)
+
+
+def medians(runs: dict[str, list[float]]) -> dict[str, float]:
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def main() -> int:
@@ -132,10 +153,9 @@ def main() -> int:
                         help="share of --rows changed before each timed round, in equal thirds "
                              "deletes, updates that move rows to another group, and inserts")
     parser.add_argument("--groups", type=int, default=1000,
-                        help="distinct values of the group column; with random changes this sets how "
-                             "many groups an incremental run must recompute")
+                        help="distinct values of the group column")
     parser.add_argument("--repeat", type=int, default=3,
-                        help="timed rounds, each after a fresh change; medians are reported")
+                        help="timed rounds of each part, each after a fresh change; medians are reported")
     parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
                         help="PostgreSQL major version of both servers")
     parser.add_argument("--master", default="local[*]",
@@ -163,16 +183,13 @@ def main() -> int:
         seconds, _ = applier("sync", *worker)
         print(f"{args.rows:,} rows in {args.groups:,} groups; applier sync --change-feed all: {seconds:.1f} s",
               flush=True)
-        # A sync that streamed no transaction after its copy leaves no applier.progress row, which
-        # the pipeline needs to tag its result: one no-op update, applied by the worker, writes it.
-        with psycopg.connect(src, autocommit=True) as conn:
-            conn.execute(f"UPDATE {TABLE} SET pad = pad WHERE id = 1")
-        applier("run", *worker)
         outputs = {"incremental": work / "incremental", "full": work / "full"}
         pipeline = ["pipeline", "--target", tgt, "--table", f"public.{TABLE}", "--group-by", "grp",
                     "--measure", "amount", "--master", args.master]
         seconds, _ = applier(*pipeline, "--output", str(outputs["incremental"]))
         print(f"first pipeline run (full, no previous result): {seconds:.1f} s", flush=True)
+
+        print("\nWhole processes (python -m applier pipeline, start to exit):", flush=True)
         print(f"{'round':>5} {'changed':>8} {'groups hit':>10} {'apply':>7} {'incremental':>12} "
               f"{'(in job)':>9} {'full':>7} {'(in job)':>9} {'ratio':>6} {'spark':>6}  same", flush=True)
         runs: dict[str, list[float]] = {k: [] for k in ("incremental", "incr_job", "full", "full_job",
@@ -192,27 +209,56 @@ def main() -> int:
             runs["incr_job"].append(states["incremental"]["seconds"])
             runs["full_job"].append(states["full"]["seconds"])
             runs["ratio"].append(runs["full"][-1] / runs["incremental"][-1])
-            if states["incremental"]["mode"] != "incremental":
-                print(f"  the incremental run was not: {states['incremental']['mode']}")
-                ok = False
-            if spark is None:  # after the first timings: an idle JVM from here on
+            if spark is None:  # after the first timings: an idle JVM from here on, and the
+                # session of the in-session part below
                 from applier.spark.session import spark_session
-                spark = spark_session("local[1]", app_name="bench compare")
-            incremental, lsns_i = parquet_result(spark, outputs["incremental"])
-            full, lsns_f = parquet_result(spark, outputs["full"])
-            lsn = states["full"]["commit_lsn"]
-            same = (incremental == full == sql_result(tgt) and lsns_i == lsns_f == {lsn}
-                    and states["incremental"]["commit_lsn"] == lsn)
+                spark = spark_session(args.master, app_name="bench pipeline")
+            same = same_results(spark, outputs, states, tgt)
             ok = ok and same
             print(f"{round_ + 1:>5} {changed:>8,} {hit:>10,} {apply_seconds:>6.1f}s "
                   f"{runs['incremental'][-1]:>11.1f}s {runs['incr_job'][-1]:>8.1f}s "
                   f"{runs['full'][-1]:>6.1f}s {runs['full_job'][-1]:>8.1f}s {runs['ratio'][-1]:>5.2f}x "
                   f"{runs['spark'][-1]:>5.1f}s  {'yes' if same else 'NO'}", flush=True)
-        med = {k: statistics.median(v) for k, v in runs.items()}
+        med = medians(runs)
         print(f"median of {args.repeat}: incremental {med['incremental']:.1f} s ({med['incr_job']:.1f} s in "
               f"the job), full {med['full']:.1f} s ({med['full_job']:.1f} s in the job), full/incremental "
               f"{med['full'] / med['incremental']:.2f}x (median of the rounds' ratios {med['ratio']:.2f}x); "
-              f"trivial Spark job {med['spark']:.1f} s; results equal: {'yes' if ok else 'NO'}")
+              f"trivial Spark job {med['spark']:.1f} s", flush=True)
+
+        # One long-lived session, as applier pipeline --every runs: run_pipeline_job called
+        # again and again, incremental and full taking turns; round 0 warms the session up.
+        from applier.cli import parse_settings
+        from applier.spark.pipeline import run_pipeline_job
+
+        assert spark is not None
+        settings = {name: parse_settings([*pipeline, "--output", str(outputs[name]),
+                                          *(["--full"] if name == "full" else [])], {})
+                    for name in outputs}
+        print("\nOne Spark session (run_pipeline_job, as in the --every loop):", flush=True)
+        print(f"{'round':>7} {'changed':>8} {'apply':>7} {'incremental':>12} {'full':>7} {'ratio':>6}  same",
+              flush=True)
+        session: dict[str, list[float]] = {k: [] for k in ("incremental", "full", "ratio")}
+        for round_ in range(args.repeat + 1):
+            changed, _ = change(src, args.rows, args.change_fraction, args.groups)
+            apply_seconds, _ = applier("run", *worker)
+            states, took = {}, {}
+            for name in (["incremental", "full"] if round_ % 2 == 0 else ["full", "incremental"]):
+                started = time.perf_counter()
+                states[name] = run_pipeline_job(spark, settings[name])
+                took[name] = time.perf_counter() - started
+            same = same_results(spark, outputs, states, tgt)
+            ok = ok and same
+            if round_:
+                for name in took:
+                    session[name].append(took[name])
+                session["ratio"].append(took["full"] / took["incremental"])
+            print(f"{round_ if round_ else 'warm-up':>7} {changed:>8,} {apply_seconds:>6.1f}s "
+                  f"{took['incremental']:>11.2f}s {took['full']:>6.2f}s "
+                  f"{took['full'] / took['incremental']:>5.2f}x  {'yes' if same else 'NO'}", flush=True)
+        med = medians(session)
+        print(f"median of {args.repeat}: incremental {med['incremental']:.2f} s, full {med['full']:.2f} s, "
+              f"full/incremental {med['full'] / med['incremental']:.2f}x (median of the rounds' ratios "
+              f"{med['ratio']:.2f}x); results equal in every round of both parts: {'yes' if ok else 'NO'}")
         print(f"load average at the end: {load_average()}")
         return 0 if ok else 1
     finally:

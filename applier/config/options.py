@@ -225,6 +225,12 @@ OPTIONS: tuple[Option, ...] = (
            commands=("pipeline",)),
     Option("full", "Recompute everything even if an incremental run is possible.", kind="bool",
            default=False, commands=("pipeline",)),
+    Option("every", "Keep running: one Spark session, a round every DURATION (e.g. 30s, 5min; "
+           "a round that takes longer is followed at once by the next), each committed as a "
+           "single run is, until SIGINT or SIGTERM, which end the loop between rounds with exit "
+           "code 0. Default: one round.", kind="duration", commands=("pipeline",)),
+    Option("rounds", "Stop after N rounds (with --every, or back to back without it). Default: "
+           "1 without --every, no limit with it.", kind="int", commands=("pipeline",)),
     # -- a replica's last steps (applier/lifecycle/) --------------------------------------------------
     Option("margin", "Set each target sequence this far beyond the source's value (in the "
            "sequence's direction), for writes still landing on the source.", kind="int",

@@ -93,6 +93,8 @@ class Settings:
     measure: str
     output: Path | None
     full: bool
+    every: float | None
+    rounds: int | None
     # -- a replica's last steps
     margin: int
     dry_run: bool
@@ -230,6 +232,10 @@ def _validate(settings: Settings) -> None:
         parse_conflict_policies(settings.conflict_policy)
     if settings.command == "pipeline" and len(settings.table) != 1:
         raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
+    if settings.every is not None and settings.every <= 0:
+        raise ConfigError("every must be a positive duration")
+    if settings.rounds is not None and settings.rounds < 1:
+        raise ConfigError("rounds must be at least 1")
     for name in ("settle", "seconds", "max_keys", "margin", "timeout"):
         if getattr(settings, name) < 0:
             raise ConfigError(f"{name} must not be negative")

@@ -227,6 +227,21 @@ class SqlBookkeeping:
                    {"lsn": str(sync_lsn), "rows": rows, "bytes": nbytes, "slot": slot,
                     "schema": table[0], "name": table[1]})
 
+    def record_copied_position(self, slot: str, consistent_point: LSN) -> None:
+        """In a copy's transaction, for a slot the copy created: the replica is at the slot's
+        consistent point, so give it a position if the worker has not recorded one yet (without
+        it, a sync that streams nothing after its copy leaves the target positionless).
+
+        Recorded as every commit *before* the point applied: commit LSN one below it, end LSN at
+        it. A transaction whose commit record starts exactly at the point is not in the copy
+        (``SyncFilter`` keeps it), and the worker skips commits at or below the recorded commit
+        LSN, as a change feed reader starts after it."""
+        self._rows("INSERT INTO applier.progress (slot_name, commit_lsn, end_lsn, commit_time, "
+                   "applied_at) VALUES (%(slot)s, %(commit)s::pg_lsn, %(end)s::pg_lsn, NULL, "
+                   "clock_timestamp()) ON CONFLICT (slot_name) DO NOTHING",
+                   {"slot": slot, "commit": str(LSN(int(consistent_point) - 1)),
+                    "end": str(consistent_point)})
+
     def record_copy_transaction(self, slot: str) -> None:
         """In a copy's target transaction: note its xid, so that the worker knows the rows it
         wrote (which carry no replication origin) as its own, not as local writes of another

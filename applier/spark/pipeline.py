@@ -1,33 +1,47 @@
 """``applier pipeline``: an example PySpark job that derives a dataset from the replica.
 
 Owns: reading one replicated table consistently (one exported snapshot, see :mod:`.reader`),
-aggregating it per group (rows and the sum of a measure, per value of ``--group-by``), and
-writing the result to Parquet under ``--output`` tagged with the source position it reflects:
-every row carries ``source_commit_lsn``, and ``_applier_state.json`` records commit LSN, end LSN,
-commit time, the snapshot and how the run computed the result. Must never write to the replica,
-and never leave a half-written result where the last good one was (it writes a new directory,
-then switches the state file to it).
+aggregating it per group (per value of ``--group-by``: ``rows``, ``count_<measure>`` the
+non-null values of ``--measure``, ``sum_<measure>`` their sum, NULL when there is none, as SQL's
+``sum``), and writing the result to Parquet under ``--output`` tagged with the source position it
+reflects: every row carries ``source_commit_lsn``, and ``_applier_state.json`` records commit
+LSN, end LSN, commit time, the snapshot, how the round computed the result, the result's
+directory and the key index's (:mod:`.keyindex`). Must never write to the replica, and never
+leave a half-written result where the last good one was: a round writes new directories, then
+renames the state file over the old one (the commit), and only then removes the round
+directories the new state does not name (the old state's, and those of a round that died). A
+round that dies before the rename leaves the previous state valid, and the next round starts
+again from its LSN (exactly once).
 
 Incremental or full, and why. When the worker records the table in the change feed
-(``--change-feed``), a run after the first reads only the changes committed since the previous
-run's commit LSN (``read_changes``, ``net=True``: one row per key, its final state or a delete, in
-the same snapshot as the table). The groups to recompute are the new groups of the changed keys
-and the groups those keys were in before, which the previous run kept beside its result (the
-*key index*: each key's group, in Parquet); so deletes and rows moving between groups are exact.
-Only those groups are read from the table and aggregated again, every other group is kept from
-the previous result, and the key index is updated from the same changes. A run recomputes in
-full when there is no previous result or key index, with ``--full``, when the table is not
-recorded or has no key, when the feed no longer retains the range (``HistoryNotRetained``), when
-the range holds a truncate, and when the changes touch more than half the groups (reading those
-again and merging costs more than reading everything: ``bench/pipeline.py``). No column or
-trigger on the source is needed.
+(``--change-feed``), a round after the first reads only the changes committed since the previous
+round's commit LSN (``read_changes``, ``net=True``: one row per key, its final row or a delete,
+in the same snapshot) and the key index (each key's group and measure as of the previous round),
+never the table: each changed key takes its old contribution (from the index, if it was there)
+away from its old group and adds its final row's to its new group; the per-group deltas are
+merged into the previous result (full outer join; a group left with no row is dropped; types
+are the previous result's, which a full recompute's are). The count of non-null measures is
+what tells a sum that became NULL (its group's last value went) from one that is 0. The index
+gets one layer of the changed keys' entries (see :mod:`.keyindex`). A round recomputes in full
+(reading the table) with ``--full``, when the table has no key, when there is no previous result
+with a key index (or it aggregated another table, group or measure), when the feed does not
+record the table or no longer retains the range (``HistoryNotRetained``), and when the range
+holds a truncate. No column or trigger on the source is needed. A float measure's sum may differ
+from a full recompute's in the last bits (additions in another order); numeric and integer sums
+are exact.
+
+``--every DURATION`` keeps one Spark session and runs a round every DURATION until SIGINT or
+SIGTERM (which end the loop between rounds); ``--rounds N`` bounds the count.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,15 +49,15 @@ from typing import TYPE_CHECKING, Any
 from .. import cli
 from ..config import Settings
 from ..exit_codes import ExitCode
-from ..quoting import ident
 from .changes import HistoryNotRetained, read_changes
 from .columns import describe_table
+from .keyindex import DELETED, KeyIndex, lookup, write_base, write_layer
 from .reader import read_table, spark_column
 from .session import SparkUnavailable, spark_session
 from .snapshot import open_snapshot
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import Column, DataFrame, SparkSession
 
     from .snapshot import Snapshot
 
@@ -57,26 +71,65 @@ def _state(output: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _names(measure: str) -> tuple[str, str]:
+    """The result's columns of the measure: the count of its non-null values, and its sum."""
+    return f"count_{measure}", f"sum_{measure}"
+
+
 def _aggregate(frame: DataFrame, group_by: str, measure: str) -> DataFrame:
     from pyspark.sql import functions as F
 
-    return frame.groupBy(group_by).agg(F.count(F.lit(1)).alias("rows"),
-                                       F.sum(F.col(measure)).alias(f"sum_{measure}"))
+    counted, summed = _names(measure)
+    return frame.groupBy(spark_column(group_by)).agg(
+        F.count(F.lit(1)).alias("rows"), F.count(F.col(spark_column(measure))).alias(counted),
+        F.sum(F.col(spark_column(measure))).alias(summed))
 
 
-def _in_groups(snap: Snapshot, group_by: str, groups: list[Any]) -> str:
-    """SQL: the group column is one of ``groups`` (None: NULL)."""
-    present = [g for g in groups if g is not None]
-    terms = [f"{ident(group_by)} = ANY({snap.literal(present)})"] if present else []
-    if len(present) < len(groups):
-        terms.append(f"{ident(group_by)} IS NULL")
-    return " OR ".join(terms) or "false"
+def _contributions(entries: DataFrame, group_by: str, measure: str, sign: int) -> DataFrame:
+    """What rows add to (``sign`` 1) or take from (-1) their groups' rows, count and sum."""
+    from pyspark.sql import functions as F
+
+    value = F.col(spark_column(measure))
+    return entries.select(F.col(spark_column(group_by)).alias("_group"),
+                          F.lit(sign).cast("long").alias("_rows"),
+                          (value.isNotNull().cast("long") * sign).alias("_counted"),
+                          (value if sign > 0 else -value).alias("_summed"))
+
+
+def _merge(previous: DataFrame, delta: DataFrame, group_by: str, measure: str) -> DataFrame:
+    """``previous`` (a result) plus ``delta`` (per group: rows, count and sum to add), without
+    the groups left with no row, in ``previous``'s column types."""
+    from pyspark.sql import functions as F
+
+    counted, summed = _names(measure)
+    types = {f.name: f.dataType for f in previous.schema}
+    group = spark_column(group_by)
+    joined = previous.join(delta, previous[group].eqNullSafe(delta["_group"]), "full_outer")
+
+    def plus(column: str, change: str) -> Column:
+        return F.coalesce(F.col(spark_column(column)), F.lit(0)) + F.coalesce(F.col(change), F.lit(0))
+
+    return joined.select(
+        F.coalesce(previous[group], F.col("_group")).alias(group_by),
+        plus("rows", "_rows").cast(types["rows"]).alias("rows"),
+        plus(counted, "_counted").cast(types[counted]).alias(counted),
+        # SQL's sum: NULL when no row of the group has a value.
+        F.when(plus(counted, "_counted") == 0, F.lit(None))
+         .otherwise(plus(summed, "_summed")).cast(types[summed]).alias(summed),
+    ).where(F.col("rows") > 0)
+
+
+def _index_columns(key: tuple[str, ...], group_by: str, measure: str) -> list[str]:
+    """The key index's columns: the key, then the group and measure it adds to."""
+    return [*dict.fromkeys([*key, group_by, measure])]
 
 
 def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table: str,
-                 key: tuple[str, ...], previous: dict[str, Any],
-                 output: Path) -> tuple[DataFrame, DataFrame] | str:
-    """The new result and key index from the changes since the previous run, or why not."""
+                 key: tuple[str, ...], previous: dict[str, Any], index: KeyIndex,
+                 output: Path) -> tuple[DataFrame, DataFrame, DataFrame, int] | str:
+    """From the changes since the previous round: the new result, the key index's new layer
+    (changed keys' entries and tombstones), the changes (persisted: the caller unpersists them
+    once both are written) and how many keys changed; or why the round must recompute in full."""
     from pyspark.sql import functions as F
 
     group_by, measure = settings.group_by, settings.measure
@@ -84,43 +137,58 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
         changes = read_changes(spark, table, snap, start_lsn=str(previous["commit_lsn"]), net=True)
     except HistoryNotRetained as exc:
         return f"full ({exc})"
-    wanted = [spark_column(c) for c in dict.fromkeys([*key, group_by])]
-    changes = changes.select("change_op", *wanted).persist()
-    if changes.where(F.col("change_op") == "T").limit(1).count():
+    columns = [spark_column(c) for c in _index_columns(key, group_by, measure)]
+    changes = changes.select("change_op", *columns).persist()
+    # One pass over the changes: it fills the cache every later step reads.
+    ops: dict[str, int] = {op: n for op, n in changes.groupBy("change_op").count().collect()}
+    if "T" in ops:
         changes.unpersist()
         return "full (the table was truncated)"
-    keys = [spark_column(k) for k in key]
-    old_index = spark.read.parquet(str(output / previous["keys"]))
-    changed = changes.select(*keys)
-    before = old_index.join(changed, list(key), "inner").select(spark_column(group_by))
-    after = changes.where(F.col("change_op") != "D").select(spark_column(group_by))
-    groups = [row[0] for row in before.union(after).distinct().collect()]
-    old = spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn")
-    known = old.count()
-    if len(groups) * 2 > known:
-        # Reading more than half the groups again, and merging, costs more than reading them all.
-        changes.unpersist()
-        return f"full ({len(groups)} of {known} groups changed)"
-    if groups:
-        recomputed = _aggregate(read_table(spark, table, snap, columns=[group_by, measure],
-                                           where=_in_groups(snap, group_by, groups)), group_by, measure)
-        column = F.col(spark_column(group_by))
-        untouched = ~column.isin([g for g in groups if g is not None])
-        if None in groups:
-            untouched = untouched & column.isNotNull()
-        else:
-            untouched = untouched | column.isNull()
-        result = old.where(untouched).unionByName(recomputed)
-    else:
-        result = old
-    index = old_index.join(changed, list(key), "left_anti").unionByName(
-        changes.where(F.col("change_op") != "D").select(*keys, spark_column(group_by)))
-    return result, index
+    # Each changed key takes its old entry's contribution away and adds its final row's (none
+    # for a delete): exact for rows that moved between groups, changed measure, or left.
+    old = lookup(spark, output, index, changes.select(*[spark_column(k) for k in key]), key)
+    new = changes.where(F.col("change_op") != "D")
+    delta = _contributions(old, group_by, measure, -1) \
+        .unionByName(_contributions(new, group_by, measure, 1)) \
+        .groupBy("_group").agg(*[F.sum(c).alias(c) for c in ("_rows", "_counted", "_summed")])
+    result = _merge(spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn"),
+                    delta, group_by, measure)
+    layer = changes.select(*columns, (F.col("change_op") == "D").alias(DELETED))
+    return result, layer, changes, sum(ops.values())
+
+
+def _mode(settings: Settings, key: tuple[str, ...], previous: dict[str, Any] | None,
+          index: KeyIndex | None) -> str | None:
+    """Why this round recomputes in full, or None to go incrementally."""
+    if settings.full:
+        return "full (--full)"
+    if not key:
+        return "full (the table has no key)"
+    if previous is None or index is None:
+        return "full (no previous result with a key index)"
+    if [previous.get(n) for n in ("table", "group_by", "measure")] != \
+            [settings.table[0], settings.group_by, settings.measure]:
+        return "full (the previous result is of another table, group or measure)"
+    return None
+
+
+#: The directories rounds write (``stamp`` in ``run_pipeline_job``: commit LSN, nanoseconds).
+_ROUND_DIRECTORY = re.compile(r"(data|keys|layer)-[0-9A-F]+-[0-9A-F]+-[0-9]+")
+
+
+def _discard(output: Path, kept: set[str]) -> None:
+    """Remove the round directories the new state does not name: the previous round's, and any
+    a round that died before its commit left. Only once the new state is in place: until then
+    the previous ones are the committed result."""
+    for path in output.iterdir():
+        if path.is_dir() and _ROUND_DIRECTORY.fullmatch(path.name) and path.name not in kept:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
-    """One run: read at one snapshot, aggregate (incrementally when the change feed allows it),
-    publish the result and its key index, then the state naming both and the position."""
+    """One round: read at one snapshot, aggregate (by deltas when the change feed allows it),
+    write the result and the key index's new base or layer, then the state naming them and the
+    position (the commit), then remove the round directories it does not name."""
     from pyspark.sql import functions as F
 
     assert settings.target is not None and settings.output is not None  # required by the command
@@ -129,6 +197,7 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
     group_by, measure = settings.group_by, settings.measure
     output.mkdir(parents=True, exist_ok=True)
     previous = _state(output)
+    index = KeyIndex.from_state(previous.get("key_index")) if previous else None
     started = time.monotonic()
     with open_snapshot(settings.target, slot=settings.slot) as snap:
         if len(snap.position.positions) != 1:
@@ -136,56 +205,81 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
                               "pass --slot to say which position tags the result")
         position = snap.position.positions[0]
         key = describe_table(snap, table).key
-        found: tuple[DataFrame, DataFrame] | str
-        if settings.full:
-            found = "full (--full)"
-        elif previous is None or not previous.get("keys"):
-            found = "full (no previous result with a key index)"
-        elif not key:
-            found = "full (the table has no key)"
-        else:
-            found = _incremental(spark, snap, settings, table, key, previous, output)
-        if isinstance(found, str):
-            mode = found
-            rows = read_table(spark, table, snap,
-                              columns=[*dict.fromkeys([*key, group_by, measure])]).persist()
-            result = _aggregate(rows, group_by, measure)
-            index = rows.select(*[spark_column(k) for k in key], spark_column(group_by)) if key else None
-        else:
+        mode = _mode(settings, key, previous, index)
+        found = None
+        if mode is None:
+            assert previous is not None and index is not None  # as _mode found
+            incremental = _incremental(spark, snap, settings, table, key, previous, index, output)
+            if isinstance(incremental, str):
+                mode = incremental
+            else:
+                found = incremental
+        stamp = f"{position.commit_lsn.replace('/', '-')}-{time.time_ns()}"
+        data = f"data-{stamp}"
+        extra: dict[str, Any] = {}
+
+        def publish(result: DataFrame) -> None:
+            # One row per group: one file, written by one task (a file per shuffle partition
+            # costs a task and a Parquet writer each, and more files to list next round).
+            result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)).coalesce(1) \
+                .write.mode("overwrite").parquet(str(output / data))
+
+        if found is not None:
             mode = "incremental"
-            result, index = found
-        stamp = f"{position.commit_lsn.replace('/', '-')}-{int(time.time() * 1000)}"
-        data, keys = f"data-{stamp}", (f"keys-{stamp}" if index is not None else None)
-        result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)) \
-            .write.mode("overwrite").parquet(str(output / data))
-        if index is not None:
-            index.write.mode("overwrite").parquet(str(output / str(keys)))
+            result, layer, changes, changed = found
+            publish(result)
+            assert index is not None
+            new_index: KeyIndex | None = write_layer(spark, output, index, layer, changed, key, stamp)
+            extra["changed_keys"] = changed
+            changes.unpersist()
+        else:
+            rows = read_table(spark, table, snap,
+                              columns=_index_columns(key, group_by, measure)).persist()
+            publish(_aggregate(rows, group_by, measure))
+            new_index = write_base(spark, rows, output, stamp) if key else None
+            rows.unpersist()
         groups = spark.read.parquet(str(output / data)).count()
     state = {"table": table, "group_by": group_by, "measure": measure,
              "commit_lsn": position.commit_lsn, "end_lsn": position.end_lsn,
              "commit_time": position.commit_time, "slot_name": position.slot_name,
-             "snapshot": snap.snapshot_id, "mode": mode, "groups": groups, "data": data,
-             "keys": keys, "seconds": round(time.monotonic() - started, 3)}
+             "snapshot": snap.snapshot_id, "mode": mode, **extra, "groups": groups, "data": data,
+             "key_index": new_index.to_state() if new_index else None,
+             "seconds": round(time.monotonic() - started, 3)}
     temporary = output / (STATE_FILE + ".tmp")
     temporary.write_text(json.dumps(state, indent=2) + "\n")
     temporary.replace(output / STATE_FILE)  # the switch to the new result is one rename
-    if previous is not None:
-        for name in ("data", "keys"):
-            if previous.get(name) and previous[name] not in (data, keys):
-                shutil.rmtree(output / previous[name], ignore_errors=True)
+    _discard(output, {data, *(new_index.directories if new_index else [])})
     return state
 
 
 def run_pipeline(settings: Settings) -> int:
-    """``applier pipeline``: OK with the state of the new result printed, else FAILED."""
+    """``applier pipeline``: one round, or (``--every``, ``--rounds``) rounds in one Spark
+    session until the count is reached or SIGINT/SIGTERM asks to stop (taken between rounds:
+    the round under way still commits). Prints each round's state (one JSON object; a line each
+    when there are several rounds). OK, else FAILED (a failed round ends the loop; the state of
+    the last committed round stays)."""
     settings.require("target", "output")
+    every, limit = settings.every, settings.rounds or (None if settings.every else 1)
+    stop = threading.Event()
+    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)} \
+        if limit != 1 else {}
     try:
         spark = spark_session(settings.master, app_name="applier pipeline", jar=settings.jdbc_jar)
-        state = run_pipeline_job(spark, settings)
+        done = 0
+        while not stop.is_set():
+            started = time.monotonic()
+            state = run_pipeline_job(spark, settings)
+            print(json.dumps(state, indent=None if limit != 1 else 2), flush=True)
+            done += 1
+            if done == limit:
+                break
+            stop.wait(max(0.0, (every or 0.0) - (time.monotonic() - started)))
     except (SparkUnavailable, LookupError) as exc:
         print(f"applier pipeline: {exc}", file=sys.stderr)
         return ExitCode.FAILED
-    print(json.dumps(state, indent=2))
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
     return ExitCode.OK
 
 

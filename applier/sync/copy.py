@@ -181,8 +181,10 @@ class _Copier:
             build_secondary_indexes(target, plan)
         rows, nbytes, seconds = self.progress.table_finished(plan.table.key)
         with target.transaction():
-            SqlBookkeeping(target).mark_done(self.slot, plan.table.key, self.snapshot.consistent_point,
-                                             rows, nbytes)
+            bookkeeping = SqlBookkeeping(target)
+            bookkeeping.mark_done(self.slot, plan.table.key, self.snapshot.consistent_point, rows, nbytes)
+            if not self.snapshot.temporary:  # the worker's slot: it starts at this point
+                bookkeeping.record_copied_position(self.slot, self.snapshot.consistent_point)
         log.info("copied %s: %d rows, %d bytes (%s COPY) in %.1f s (%.0f rows/s); sync LSN %s",
                  plan.table.sql_name, rows, nbytes, "binary" if plan.binary else "text", seconds,
                  rows / max(seconds, 1e-9), self.snapshot.consistent_point)

@@ -237,6 +237,7 @@ def test_missing_table_and_bad_fetchsize(spark, target_db) -> None:
 
 
 def _pipeline(output, target_db, *extra: str) -> dict:
+    """One ``applier pipeline`` run in this process (its Spark session is the tests' own)."""
     import contextlib
     import io
     import json
@@ -252,64 +253,102 @@ def _pipeline(output, target_db, *extra: str) -> dict:
     return json.loads(out.getvalue())
 
 
-def _result(spark, output) -> dict:
+def _frame(spark, output):
     import json
 
     state = json.loads((output / "_applier_state.json").read_text())
-    return {r["customer_id"]: (r["rows"], r["sum_total"], r["source_commit_lsn"])
-            for r in spark.read.parquet(str(output / state["data"])).collect()}
+    return spark.read.parquet(str(output / state["data"]))
+
+
+def _result(spark, output) -> dict:
+    return {r["customer_id"]: (r["rows"], r["count_total"], r["sum_total"], r["source_commit_lsn"])
+            for r in _frame(spark, output).collect()}
 
 
 def _expected(target_db, lsn: str) -> dict:
-    return {c: (n, s, lsn) for c, n, s in
-            target_db.query("SELECT customer_id, count(*), sum(total) FROM orders GROUP BY 1")}
+    return {c: (n, k, s, lsn) for c, n, k, s in
+            target_db.query("SELECT customer_id, count(*), count(total), sum(total) FROM orders GROUP BY 1")}
+
+
+def _index(spark, output, ids) -> dict:
+    """The key index's current entries of ``ids``, as (id, group, measure)."""
+    import json
+
+    from applier.spark.keyindex import KeyIndex, lookup
+
+    state = json.loads((output / "_applier_state.json").read_text())
+    keys = spark.createDataFrame([(i,) for i in ids], "id int")
+    found = lookup(spark, output, KeyIndex.from_state(state["key_index"]), keys, ("id",)).collect()
+    return {r["id"]: (r["id"], r["customer_id"], r["total"]) for r in found}
 
 
 FEED_ROUNDS = [
-    # inserts (a new group), updates of the measure, rows moving between groups, deletes, a key
-    # that changes, and a group emptied
-    ["INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(2001, 2030) g",
-     "INSERT INTO orders VALUES (3001, 99, 1), (3002, NULL, 2)",
+    # inserts (a new group, the NULL group), updates of the measure (to NULL too), rows moving
+    # between groups, deletes, a key that changes
+    ["INSERT INTO orders SELECT g, g % 20, g * 0.5 FROM generate_series(3001, 3030) g",
+     "INSERT INTO orders VALUES (4001, 99, 1), (4002, NULL, 2)",
      "UPDATE orders SET total = 0 WHERE id BETWEEN 1 AND 15",
+     "UPDATE orders SET total = NULL WHERE id BETWEEN 60 AND 62",
      "UPDATE orders SET customer_id = 201 WHERE id BETWEEN 16 AND 25",
      "DELETE FROM orders WHERE id BETWEEN 26 AND 40",
      "UPDATE orders SET id = id + 10000 WHERE id BETWEEN 41 AND 43"],
+    # a group emptied, then one row back in it; every measure of group 8 NULL (its sum NULL),
+    # a value in the all-NULL group 300 (its sum no longer NULL)
     ["DELETE FROM orders WHERE customer_id = 7",
      "UPDATE orders SET customer_id = NULL WHERE id = 50",
      "UPDATE orders SET customer_id = 7 WHERE id = 51",
-     "INSERT INTO orders VALUES (3003, 99, 5)"],
+     "UPDATE orders SET total = NULL WHERE customer_id = 8",
+     "UPDATE orders SET total = 3.5 WHERE id = 2001",
+     "INSERT INTO orders VALUES (4003, 99, 5)"],
     [],  # nothing changed
+    # a key inserted, updated and deleted within the round; one updated twice; a new group; the
+    # last measure of group 300 back to NULL; a whole group deleted and not back
+    ["INSERT INTO orders VALUES (5001, 500, 1)", "UPDATE orders SET total = 2 WHERE id = 5001",
+     "DELETE FROM orders WHERE id = 5001", "UPDATE orders SET total = 7 WHERE id = 52",
+     "UPDATE orders SET total = 8, customer_id = 9 WHERE id = 52",
+     "INSERT INTO orders VALUES (5002, 600, 6)", "UPDATE orders SET total = NULL WHERE id = 2001",
+     "DELETE FROM orders WHERE customer_id = 11"],
+    # every row changed: deltas still (no fallback to a full recompute)
+    ["UPDATE orders SET total = total + 1"],
     ["TRUNCATE orders", "INSERT INTO orders SELECT g, g % 4, g FROM generate_series(1, 100) g"],
+    ["UPDATE orders SET customer_id = 5 WHERE id < 10", "DELETE FROM orders WHERE id = 50"],
 ]
 
 
 def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_round(
-        spark, source_db, target_db, tmp_path) -> None:
+        spark, source_db, target_db, tmp_path, monkeypatch) -> None:
     """The worker records orders in the change feed; each pipeline run after the first reads only
-    the changes since the previous one, and its result equals a full aggregate of the replica."""
+    the changes since the previous one and the key index (no table row), and its result equals a
+    full recompute of the replica and a GROUP BY on it, types included, after every round."""
     from replication import create_slot, run_worker
 
+    from applier.spark import keyindex
     from applier.spark.changes import read_changes
 
+    # Two layers at most: a round that would add a third folds them into a new base instead.
+    monkeypatch.setattr(keyindex, "MAX_LAYERS", 2)
     ddl = "CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2))"
     source_db.execute(ddl)
     target_db.execute(ddl)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
     create_slot(source_db)
-    # 200 groups: each round below touches fewer than half of them (else a run recomputes in full)
-    source_db.execute("INSERT INTO orders SELECT g, g % 200, g * 0.5 FROM generate_series(1, 2000) g")
+    source_db.execute("INSERT INTO orders SELECT g, g % 200, CASE WHEN g % 9 = 0 THEN NULL "
+                      "ELSE g * 0.5 END FROM generate_series(1, 2000) g")
+    source_db.execute("INSERT INTO orders SELECT g, 300, NULL FROM generate_series(2001, 2003) g")
     run_worker(source_db, target_db, "--change-feed", "all")
-    first = _pipeline(tmp_path, target_db)
+    output = tmp_path / "incremental"
+    first = _pipeline(output, target_db)
     assert first["mode"] == "full (no previous result with a key index)"
-    assert _result(spark, tmp_path) == _expected(target_db, first["commit_lsn"])
+    assert _result(spark, output) == _expected(target_db, first["commit_lsn"])
     previous = first
+    layers = []
     for n, statements in enumerate(FEED_ROUNDS):
         before = {r[0]: r for r in target_db.query("SELECT id, customer_id, total FROM orders")}
         for statement in statements:
             source_db.execute(statement)
         run_worker(source_db, target_db, "--change-feed", "all")
+        after = {r[0]: r for r in target_db.query("SELECT id, customer_id, total FROM orders")}
         if n == 0:  # net=True against a recomputation from the rows before and after
-            after = {r[0]: r for r in target_db.query("SELECT id, customer_id, total FROM orders")}
             with open_snapshot(target_db.dsn) as snap:
                 net = {r["id"]: r for r in read_changes(spark, "public.orders", snap,
                                                           start_lsn=previous["commit_lsn"],
@@ -321,21 +360,130 @@ def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_rou
                     assert key not in after
                 else:
                     assert (row["id"], row["customer_id"], row["total"]) == after[key]
-        state = _pipeline(tmp_path, target_db)
-        expected_mode = "full (the table was truncated)" if n == 3 else "incremental"
-        assert state["mode"] == expected_mode, (n, state)
-        assert _result(spark, tmp_path) == _expected(target_db, state["commit_lsn"]), n
-        assert not (tmp_path / previous["data"]).exists() or previous["data"] == state["data"]
+        if n == 1:  # what a round that died before its commit leaves: gone after the next one
+            (output / "layer-0-16B3748-1").mkdir()
+        state = _pipeline(output, target_db)
+        assert state["mode"] == ("full (the table was truncated)" if n == 5 else "incremental"), (n, state)
+        assert _result(spark, output) == _expected(target_db, state["commit_lsn"]), n
+        full = _pipeline(tmp_path / "full", target_db, "--full")
+        assert full["mode"] == "full (--full)" and full["commit_lsn"] == state["commit_lsn"]
+        incremental, recomputed = _frame(spark, output), _frame(spark, tmp_path / "full")
+        # decimal(22,2) sums and bigint counts both ways (metadata aside: a read's position)
+        assert [(f.name, f.dataType) for f in incremental.schema] == \
+            [(f.name, f.dataType) for f in recomputed.schema], n
+        assert sorted(map(tuple, incremental.collect()), key=repr) == \
+            sorted(map(tuple, recomputed.collect()), key=repr), n
+        # The key index holds every key's row as the replica has it, and no deleted key.
+        assert _index(spark, output, before.keys() | after.keys()) == after, n
+        layers.append(len(state["key_index"]["layers"]))
+        # Only what the state names is left: the previous round's directories went after the switch.
+        named = {state["data"], state["key_index"]["base"],
+                 *(la["directory"] for la in state["key_index"]["layers"])}
+        assert {p.name for p in output.iterdir()} == named | {"_applier_state.json"}, n
         previous = state
-    # Changes in every group: reading them all again costs less than merging, so it does.
-    source_db.execute("UPDATE orders SET total = total + 1")
+    # Rounds 1-2 add a layer each, round 3 (no change) none, round 4 would make a third: it folds
+    # them into a new base; round 5 changes every row (more than the layers' share of the base:
+    # a new base again), the truncate recomputes a base, and the last round adds a layer.
+    assert layers == [1, 2, 2, 0, 0, 0, 1], layers
+    assert _result(spark, output) == _expected(target_db, previous["commit_lsn"])
+
+
+def test_pipeline_loop_until_sigterm_each_round_committed(source_db, target_db, tmp_path, spark) -> None:
+    """``--every``: rounds in one process; the changes applied meanwhile show up in a later
+    round, and SIGTERM ends the loop between rounds with exit code 0."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from replication import REPO, create_slot, run_worker
+
+    ddl = "CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2))"
+    source_db.execute(ddl)
+    target_db.execute(ddl)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
+    create_slot(source_db)
+    source_db.execute("INSERT INTO orders SELECT g, g % 10, g FROM generate_series(1, 500) g")
+    run_worker(source_db, target_db, "--change-feed", "all")
+    loop = subprocess.Popen([sys.executable, "-m", "applier", "pipeline", "--target", target_db.dsn,
+                             "--output", str(tmp_path), "--every", "1s", "--master", "local[1]"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert loop.stdout is not None
+        first = json.loads(loop.stdout.readline())
+        assert first["mode"] == "full (no previous result with a key index)"
+        source_db.execute("DELETE FROM orders WHERE customer_id = 3")
+        source_db.execute("UPDATE orders SET customer_id = 4, total = NULL WHERE id < 20")
+        run_worker(source_db, target_db, "--change-feed", "all")
+        (applied,) = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0]
+        while (state := json.loads(loop.stdout.readline()))["commit_lsn"] != applied:
+            assert state["mode"] == "incremental"
+        assert state["mode"] == "incremental" and state["changed_keys"] == 67
+        loop.send_signal(signal.SIGTERM)
+        out, err = loop.communicate(timeout=120)
+    finally:
+        if loop.poll() is None:
+            loop.kill()
+    assert loop.returncode == 0, err[-3000:]
+    for line in out.splitlines():  # a round under way when the signal came still commits
+        assert json.loads(line)["commit_lsn"] == applied
+    committed = json.loads((tmp_path / "_applier_state.json").read_text())
+    assert committed["commit_lsn"] == applied
+    assert _result(spark, tmp_path) == _expected(target_db, applied)
+
+
+def test_pipeline_rounds_back_to_back(spark, source_db, target_db, tmp_path) -> None:
+    """``--rounds N``: N rounds in one call, a JSON line each, the first in full."""
+    import contextlib
+    import io
+    import json
+
+    from applier.cli import parse_settings
+    from applier.spark.pipeline import run_pipeline
+
+    target_db.execute("CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2));"
+                      "INSERT INTO orders SELECT g, g % 3, g FROM generate_series(1, 30) g")
+    _record_position(target_db, lsn="0/10")
+    settings = parse_settings(["pipeline", "--target", target_db.dsn, "--output", str(tmp_path),
+                               "--rounds", "3"], {})
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert run_pipeline(settings) == 0
+    states = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(states) == 3 and {s["commit_lsn"] for s in states} == {"0/10"}
+    # Not recorded in a change feed: every round recomputes.
+    assert states[1]["mode"].startswith("full (the change feed does not record")
+    assert _result(spark, tmp_path) == _expected(target_db, "0/10")
+
+
+def test_pipeline_right_after_a_sync_that_streamed_nothing(spark, source_db, target_db, tmp_path) -> None:
+    """applier sync leaves the replica at the copy's position: the pipeline tags its first
+    result with it, and the next run reads the changes after it."""
+    import subprocess
+    import sys
+
+    from replication import REPO, run_worker
+
+    ddl = "CREATE TABLE orders (id int PRIMARY KEY, customer_id int, total numeric(12,2))"
+    source_db.execute(ddl)
+    target_db.execute(ddl)
+    source_db.execute("INSERT INTO orders SELECT g, g % 10, g FROM generate_series(1, 300) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
+    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
+                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                           "--change-feed", "all", "--exit-when-caught-up"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (position,) = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0]
+    first = _pipeline(tmp_path, target_db)
+    assert first["commit_lsn"] == position
+    assert _result(spark, tmp_path) == _expected(target_db, position)
+    source_db.execute("UPDATE orders SET customer_id = 42 WHERE id <= 5")
+    source_db.execute("DELETE FROM orders WHERE id > 295")
     run_worker(source_db, target_db, "--change-feed", "all")
     state = _pipeline(tmp_path, target_db)
-    assert state["mode"] == "full (4 of 4 groups changed)", state
+    assert state["mode"] == "incremental" and state["changed_keys"] == 10
     assert _result(spark, tmp_path) == _expected(target_db, state["commit_lsn"])
-    previous = state
-    assert _pipeline(tmp_path, target_db, "--full")["mode"] == "full (--full)"
-    assert _result(spark, tmp_path) == _expected(target_db, previous["commit_lsn"])
 
 
 def test_pipeline_of_a_table_the_feed_does_not_record_recomputes(spark, target_db, tmp_path) -> None:

@@ -353,3 +353,24 @@ def test_copied_rows_are_the_workers_own_not_another_origins(source_db, target_d
     expected = [("update_origin_differs", "5")] if target_db.version >= 16 else []
     assert target_db.query("SELECT conflict_type, key->>'id' FROM applier.conflicts") == expected
     assert_same_rows(source_db, target_db, "c")
+
+
+def test_a_sync_that_streams_nothing_after_its_copy_leaves_the_replica_at_the_copys_position(
+        source_db, target_db) -> None:
+    """The copy is the replica's state as of the slot's consistent point: the target records that
+    position (every commit before the point applied), not none, and the stream goes on from it."""
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE t (id int PRIMARY KEY, v text)")
+    source_db.execute("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 100) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    run_sync(source_db, target_db)
+    (sync_lsn,) = {lsn for _, lsn in sync_states(target_db).values()}
+    assert target_db.query("SELECT commit_lsn::text, end_lsn::text, commit_time FROM applier.progress "
+                           "WHERE slot_name = 's'") == [(str(LSN(int(LSN.parse(sync_lsn)) - 1)),
+                                                         sync_lsn, None)]
+    source_db.execute("INSERT INTO t VALUES (101, 'b')")
+    source_db.execute("UPDATE t SET v = 'c' WHERE id = 1")
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, "t")
+    (commit_lsn,) = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0]
+    assert LSN.parse(commit_lsn) > LSN.parse(sync_lsn)

@@ -186,6 +186,8 @@ def test_defaults_come_from_the_table_per_command() -> None:
     assert load_settings("verify", {}, None, {}).log_level == "WARNING"
     assert load_settings("verify", {}, None, {}).table == []
     assert load_settings("pipeline", {}, None, {}).table == ["orders"]
+    assert load_settings("pipeline", {"every": "5min"}, None, {}).every == 300.0
+    assert load_settings("pipeline", {}, None, {}).every is None  # one round
     assert load_settings("run", {}, None, {}).ready_max_lag.seconds == 60
     assert load_settings("sync", {}, None, {}).create_slot is False  # sync goes on as run
     first, second = load_settings("run", {}, None, {}), load_settings("run", {}, None, {})
@@ -194,6 +196,9 @@ def test_defaults_come_from_the_table_per_command() -> None:
 
 @pytest.mark.parametrize("command, values, message", [
     ("pipeline", {"table": "a,b"}, "pipeline aggregates one table, not 2"),
+    ("pipeline", {"every": "0s"}, "every must be a positive duration"),
+    ("pipeline", {"every": "soon"}, "every: invalid duration"),
+    ("pipeline", {"rounds": "0"}, "rounds must be at least 1"),
     ("demo", {"pg_version": "16"}, "pg_version: 16 is not one of 15, 18"),
     ("verify", {"settle": "soon"}, "settle: could not convert"),
     ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),

@@ -1,0 +1,134 @@
+"""The pipeline's key index: each key's group and measure as of the last committed round, kept
+beside the result so that a round can take a changed key's old contribution away.
+
+Owns the index's layout under the output directory: a *base* (Parquet, one row per key) and
+*layers* written by later rounds (Parquet: the changed keys' new entries, and a tombstone for
+each deleted key), newest last. A key's entry is its entry in the newest layer that has it, else
+its base row; a tombstone means the key is gone. A round writes one layer of its changed keys
+only, never the whole index; when the layers' rows pass ``LAYER_SHARE`` of the base's, or there
+are ``MAX_LAYERS`` of them, the round writes a new base instead (the compaction). Must never
+change a directory a committed state names: every write is a new directory, and the state file
+that names it is the commit (see :mod:`.pipeline`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["LAYER_SHARE", "MAX_LAYERS", "KeyIndex", "lookup", "write_base", "write_layer"]
+
+#: A new base is written when the layers hold more rows than this share of the base ...
+LAYER_SHARE = 0.2
+#: ... or there would be more layers than this (each is one more Parquet read per round).
+MAX_LAYERS = 8
+#: Layer columns besides the entry: a tombstone flag, and (in lookups) the layer's order.
+DELETED = "_applier_deleted"
+_ORDER = "_applier_order"
+
+
+@dataclass(frozen=True)
+class Layer:
+    directory: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class KeyIndex:
+    """Where the index of a committed round is: its base and layers (oldest first)."""
+
+    base: Layer
+    layers: tuple[Layer, ...] = ()
+
+    @property
+    def directories(self) -> list[str]:
+        return [self.base.directory, *(layer.directory for layer in self.layers)]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"base": self.base.directory, "base_rows": self.base.rows,
+                "layers": [{"directory": la.directory, "rows": la.rows} for la in self.layers]}
+
+    @classmethod
+    def from_state(cls, data: Any) -> KeyIndex | None:
+        """The index a state file names; None for none (or an older layout, without measures)."""
+        if not isinstance(data, dict) or "base" not in data:
+            return None
+        return cls(Layer(data["base"], int(data["base_rows"])),
+                   tuple(Layer(la["directory"], int(la["rows"])) for la in data["layers"]))
+
+
+def _written(spark: SparkSession, frame: DataFrame, output: Path, directory: str,
+             rows: int | None = None) -> Layer:
+    frame.write.mode("overwrite").parquet(str(output / directory))
+    # Unless known, counted from the Parquet footers: no second pass over the data.
+    return Layer(directory, spark.read.parquet(str(output / directory)).count() if rows is None else rows)
+
+
+def write_base(spark: SparkSession, entries: DataFrame, output: Path, stamp: str) -> KeyIndex:
+    """A new index of exactly ``entries`` (one row per key, no tombstone column)."""
+    return KeyIndex(_written(spark, entries, output, f"keys-{stamp}"))
+
+
+def _layers(spark: SparkSession, output: Path, layers: tuple[Layer, ...], first: int) -> DataFrame:
+    """The entries of ``layers`` with their order (``first`` for the oldest)."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    return reduce(lambda a, b: a.unionByName(b),
+                  [spark.read.parquet(str(output / la.directory)).withColumn(_ORDER, F.lit(n))
+                   for n, la in enumerate(layers, first)])
+
+
+def _newest(entries: DataFrame, key: tuple[str, ...]) -> DataFrame:
+    """Each key's newest entry, without the keys whose newest entry is a tombstone."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    order = Window.partitionBy(*key).orderBy(F.col(_ORDER).desc())
+    return entries.withColumn("_applier_newest", F.row_number().over(order)) \
+        .where((F.col("_applier_newest") == 1) & ~F.col(DELETED)) \
+        .drop("_applier_newest", _ORDER, DELETED)
+
+
+def lookup(spark: SparkSession, output: Path, index: KeyIndex, keys: DataFrame,
+           key: tuple[str, ...]) -> DataFrame:
+    """The current entries of the keys in ``keys`` (the changed keys: broadcast to the scan of
+    the index) that have one."""
+    from pyspark.sql import functions as F
+
+    base = spark.read.parquet(str(output / index.base.directory)) \
+        .withColumn(DELETED, F.lit(False)).withColumn(_ORDER, F.lit(0))
+    entries = base.unionByName(_layers(spark, output, index.layers, 1)) if index.layers else base
+    return _newest(entries.join(F.broadcast(keys), list(key), "inner"), key)
+
+
+def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataFrame, rows: int,
+                key: tuple[str, ...], stamp: str) -> KeyIndex:
+    """``index`` with ``layer`` (``rows`` entries of changed keys, one per key, tombstones
+    flagged in ``DELETED``) on top: one more layer, or, once the layers would pass their share
+    of the base, a new base of every key's newest entry. Columns are cast to the base's types,
+    so that every layer reads back as the base does."""
+    from pyspark.sql import functions as F
+
+    if not rows:
+        return index
+    schema = spark.read.parquet(str(output / index.base.directory)).schema
+    layer = layer.select(*[F.col(f"`{f.name}`").cast(f.dataType).alias(f.name) for f in schema],
+                         F.col(DELETED))
+    if len(index.layers) < MAX_LAYERS and rows + sum(la.rows for la in index.layers) <= \
+            LAYER_SHARE * index.base.rows:
+        # A round's changes: one file, as the result.
+        return KeyIndex(index.base, (*index.layers,
+                                     _written(spark, layer.coalesce(1), output, f"layer-{stamp}", rows)))
+    # Compaction: the base's keys no layer has, and the newest live entry of those it has.
+    layers = _layers(spark, output, index.layers, 1).unionByName(
+        layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \
+        layer.withColumn(_ORDER, F.lit(1))
+    base = spark.read.parquet(str(output / index.base.directory))
+    kept = base.join(layers.select(*key).distinct(), list(key), "left_anti")
+    return write_base(spark, kept.unionByName(_newest(layers, key)), output, stamp)

@@ -13,8 +13,9 @@ Owns: checking a range against the history the feed retains (a ``start_lsn`` old
 fails with a message saying what is retained, never a silently partial answer; an ``end_lsn``
 past what the replica had applied in the snapshot fails too), reading the change table over
 JDBC in LSN-range partitions with ``read_table``'s type mapping, and the net form (one row per
-key: its last change in the range, with a truncate marker when the table was truncated). Must
-never write to the replica.
+key: its last change in the range, with a truncate marker when the table was truncated; picked
+by PostgreSQL in parts by a hash of the key, so Spark shuffles nothing). Must never write to the
+replica.
 
 Columns: ``change_op`` ('I' insert, 'U' update: the whole new row; 'D' delete: at least the key,
 the whole old row where the target returned it, and the old key of an update that moved a row
@@ -34,14 +35,14 @@ from ..progress.feed_registry import FeedRegistry, RetainedHistory
 from ..protocol.lsn import LSN
 from ..quoting import qualified
 from .columns import TableInfo, describe_table, probe_columns, select_expression
-from .reader import DEFAULT_FETCHSIZE, jdbc_options, spark_column, with_position
+from .reader import DEFAULT_FETCHSIZE, jdbc_options, with_position
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from .snapshot import Snapshot
 
-__all__ = ["ChangeRange", "HistoryNotRetained", "change_range", "read_changes"]
+__all__ = ["ChangeRange", "HistoryNotRetained", "change_range", "read_changes", "truncated"]
 
 class HistoryNotRetained(LookupError):
     """The range asked for is not (or no longer) all in the change feed."""
@@ -128,8 +129,7 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
                    "(change_commit_lsn - '0/0'::pg_lsn)::numeric(20, 0) AS change_position",
                    "change_commit_time", "change_xid", "change_seq"]
     expressions += [f"{select_expression(c, c.name in as_text, probed)} AS {c.quoted}" for c in columns]
-    where = (f"change_commit_lsn > {snapshot.literal(str(span.start))}::pg_lsn "
-             f"AND change_commit_lsn <= {snapshot.literal(str(span.end))}::pg_lsn")
+    where = _within(snapshot, span)
     last_truncate = _last_truncate(snapshot, span, where) if net else None
     if last_truncate is not None:
         lsn, seq = last_truncate
@@ -140,18 +140,19 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
     properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
                    "preferTimestampNTZ": "true"}
     count = num_partitions or spark.sparkContext.defaultParallelism
-    # One read per range of commit LSNs, each with its range inside its own query: PostgreSQL
-    # then reads only the partitions (and BRIN ranges) it covers, which a predicate Spark adds
-    # around a subquery's computed column would not let it do.
-    frames = [spark.read.jdbc(url, f"(SELECT {', '.join(expressions)} FROM {span.qualified} "
-                                   f"WHERE {where} AND {part}) applier_changes",
-                              properties=properties)
-              for part in _lsn_ranges(snapshot, span.start, span.end, count)]
+    select = ", ".join(expressions)
+    if net:
+        queries = _net_queries(span, recorded, select, where, count, last_truncate is not None)
+    else:
+        # One read per range of commit LSNs, each with its range inside its own query:
+        # PostgreSQL then reads only the partitions (and BRIN ranges) it covers, which a
+        # predicate Spark adds around a subquery's computed column would not let it do.
+        queries = [f"(SELECT {select} FROM {span.qualified} c WHERE {where} AND {part}) applier_changes"
+                   for part in _lsn_ranges(snapshot, span.start, span.end, count)]
+    frames = [spark.read.jdbc(url, query, properties=properties) for query in queries]
     frame = frames[0]
     for more in frames[1:]:
         frame = frame.union(more)
-    if net:
-        frame = _net(frame, span.table.key)
     return with_position(frame, snapshot.position, False, [])
 
 
@@ -165,6 +166,16 @@ def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[st
             for lo, hi in zip(cuts, cuts[1:])]
 
 
+def _within(snapshot: Snapshot, span: ChangeRange) -> str:
+    return (f"change_commit_lsn > {snapshot.literal(str(span.start))}::pg_lsn "
+            f"AND change_commit_lsn <= {snapshot.literal(str(span.end))}::pg_lsn")
+
+
+def truncated(snapshot: Snapshot, span: ChangeRange) -> bool:
+    """Whether the table was truncated in ``span`` (one query, in ``snapshot``)."""
+    return _last_truncate(snapshot, span, _within(snapshot, span)) is not None
+
+
 def _last_truncate(snapshot: Snapshot, span: ChangeRange, where: str) -> tuple[str, int] | None:
     # Ordered by the pg_lsn column (c.), not by the text of it that the query returns under the
     # same name: as text, 0/F011B70 sorts after 0/17420F88.
@@ -174,14 +185,19 @@ def _last_truncate(snapshot: Snapshot, span: ChangeRange, where: str) -> tuple[s
     return (found[0][0], int(found[0][1])) if found else None
 
 
-def _net(frame: DataFrame, key: tuple[str, ...]) -> DataFrame:
-    """The last change of each key (and the truncate marker, which the read starts at)."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
-
-    order = Window.partitionBy(*[F.col(spark_column(k)) for k in key]).orderBy(
-        F.col("change_position").desc(), F.col("change_seq").desc())
-    rows = frame.where(F.col("change_op") != "T").withColumn("_applier_last", F.row_number().over(order))
-    last = rows.where(F.col("_applier_last") == 1).drop("_applier_last")
-    return last.unionByName(frame.where(F.col("change_op") == "T"))
-
+def _net_queries(span: ChangeRange, recorded: TableInfo, select: str, where: str, count: int,
+                 truncated: bool) -> list[str]:
+    """The reads of the net form: the last change of each key in ``count`` parts by a hash of
+    the key, so that all of a key's changes are in one part and PostgreSQL picks its last
+    (``DISTINCT ON``; Spark shuffles nothing), and the truncate marker the range starts at."""
+    keys = ", ".join(f"c.{recorded.column(name).quoted}" for name in span.table.key)
+    # Ordered by the pg_lsn column (c.), not by the text of it the query returns under that name.
+    part = f"(pg_catalog.hashtextextended(ROW({keys})::text, 0) & 9223372036854775807) % {count}"
+    queries = [f"(SELECT DISTINCT ON ({keys}) {select} FROM {span.qualified} c WHERE {where} "
+               f"AND c.change_op <> 'T' AND {part} = {n} "
+               f"ORDER BY {keys}, c.change_commit_lsn DESC, c.change_seq DESC) applier_changes"
+               for n in range(count)]
+    if truncated:
+        queries.append(f"(SELECT {select} FROM {span.qualified} c WHERE {where} "
+                       "AND c.change_op = 'T') applier_changes")
+    return queries

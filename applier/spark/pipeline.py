@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from .. import cli
 from ..config import Settings
 from ..exit_codes import ExitCode
-from .changes import HistoryNotRetained, read_changes
+from .changes import HistoryNotRetained, change_range, read_changes, truncated
 from .columns import describe_table
 from .keyindex import DELETED, KeyIndex, lookup, write_base, write_layer
 from .reader import read_table, spark_column
@@ -126,24 +126,24 @@ def _index_columns(key: tuple[str, ...], group_by: str, measure: str) -> list[st
 
 def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table: str,
                  key: tuple[str, ...], previous: dict[str, Any], index: KeyIndex,
-                 output: Path) -> tuple[DataFrame, DataFrame, DataFrame, int] | str:
+                 output: Path) -> tuple[DataFrame, DataFrame, DataFrame] | str:
     """From the changes since the previous round: the new result, the key index's new layer
-    (changed keys' entries and tombstones), the changes (persisted: the caller unpersists them
-    once both are written) and how many keys changed; or why the round must recompute in full."""
+    (changed keys' entries and tombstones) and the changes (one row per changed key, persisted:
+    the first write fills the cache, and the caller unpersists them once both are written); or
+    why the round must recompute in full."""
     from pyspark.sql import functions as F
 
     group_by, measure = settings.group_by, settings.measure
+    start = str(previous["commit_lsn"])
     try:
-        changes = read_changes(spark, table, snap, start_lsn=str(previous["commit_lsn"]), net=True)
+        # Asked of PostgreSQL before any Spark job: a truncate makes the round a full one.
+        if truncated(snap, change_range(snap, table, start)):
+            return "full (the table was truncated)"
+        changes = read_changes(spark, table, snap, start_lsn=start, net=True)
     except HistoryNotRetained as exc:
         return f"full ({exc})"
     columns = [spark_column(c) for c in _index_columns(key, group_by, measure)]
     changes = changes.select("change_op", *columns).persist()
-    # One pass over the changes: it fills the cache every later step reads.
-    ops: dict[str, int] = {op: n for op, n in changes.groupBy("change_op").count().collect()}
-    if "T" in ops:
-        changes.unpersist()
-        return "full (the table was truncated)"
     # Each changed key takes its old entry's contribution away and adds its final row's (none
     # for a delete): exact for rows that moved between groups, changed measure, or left.
     old = lookup(spark, output, index, changes.select(*[spark_column(k) for k in key]), key)
@@ -154,7 +154,7 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
     result = _merge(spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn"),
                     delta, group_by, measure)
     layer = changes.select(*columns, (F.col("change_op") == "D").alias(DELETED))
-    return result, layer, changes, sum(ops.values())
+    return result, layer, changes
 
 
 def _mode(settings: Settings, key: tuple[str, ...], previous: dict[str, Any] | None,
@@ -226,8 +226,9 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
 
         if found is not None:
             mode = "incremental"
-            result, layer, changes, changed = found
+            result, layer, changes = found
             publish(result)
+            changed = changes.count()  # from the cache the write filled
             assert index is not None
             new_index: KeyIndex | None = write_layer(spark, output, index, layer, changed, key, stamp)
             extra["changed_keys"] = changed

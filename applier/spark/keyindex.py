@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .written import read_written
+
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
@@ -65,7 +67,7 @@ def _written(spark: SparkSession, frame: DataFrame, output: Path, directory: str
              rows: int | None = None) -> Layer:
     frame.write.mode("overwrite").parquet(str(output / directory))
     # Unless known, counted from the Parquet footers: no second pass over the data.
-    return Layer(directory, spark.read.parquet(str(output / directory)).count() if rows is None else rows)
+    return Layer(directory, read_written(spark, output / directory).count() if rows is None else rows)
 
 
 def write_base(spark: SparkSession, entries: DataFrame, output: Path, stamp: str) -> KeyIndex:
@@ -80,7 +82,7 @@ def _layers(spark: SparkSession, output: Path, layers: tuple[Layer, ...], first:
     from pyspark.sql import functions as F
 
     return reduce(lambda a, b: a.unionByName(b),
-                  [spark.read.parquet(str(output / la.directory)).withColumn(_ORDER, F.lit(n))
+                  [read_written(spark, output / la.directory).withColumn(_ORDER, F.lit(n))
                    for n, la in enumerate(layers, first)])
 
 
@@ -101,7 +103,7 @@ def lookup(spark: SparkSession, output: Path, index: KeyIndex, keys: DataFrame,
     the index) that have one."""
     from pyspark.sql import functions as F
 
-    base = spark.read.parquet(str(output / index.base.directory)) \
+    base = read_written(spark, output / index.base.directory) \
         .withColumn(DELETED, F.lit(False)).withColumn(_ORDER, F.lit(0))
     entries = base.unionByName(_layers(spark, output, index.layers, 1)) if index.layers else base
     return _newest(entries.join(F.broadcast(keys), list(key), "inner"), key)
@@ -117,7 +119,7 @@ def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataF
 
     if not rows:
         return index
-    schema = spark.read.parquet(str(output / index.base.directory)).schema
+    schema = read_written(spark, output / index.base.directory).schema
     layer = layer.select(*[F.col(f"`{f.name}`").cast(f.dataType).alias(f.name) for f in schema],
                          F.col(DELETED))
     if len(index.layers) < MAX_LAYERS and rows + sum(la.rows for la in index.layers) <= \
@@ -129,6 +131,6 @@ def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataF
     layers = _layers(spark, output, index.layers, 1).unionByName(
         layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \
         layer.withColumn(_ORDER, F.lit(1))
-    base = spark.read.parquet(str(output / index.base.directory))
+    base = read_written(spark, output / index.base.directory)
     kept = base.join(layers.select(*key).distinct(), list(key), "left_anti")
     return write_base(spark, kept.unionByName(_newest(layers, key)), output, stamp)

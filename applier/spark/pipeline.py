@@ -55,6 +55,7 @@ from .keyindex import DELETED, KeyIndex, lookup, write_base, write_layer
 from .reader import read_table, spark_column
 from .session import SparkUnavailable, spark_session
 from .snapshot import open_snapshot
+from .written import forget, read_written
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -151,7 +152,7 @@ def _incremental(spark: SparkSession, snap: Snapshot, settings: Settings, table:
     delta = _contributions(old, group_by, measure, -1) \
         .unionByName(_contributions(new, group_by, measure, 1)) \
         .groupBy("_group").agg(*[F.sum(c).alias(c) for c in ("_rows", "_counted", "_summed")])
-    result = _merge(spark.read.parquet(str(output / previous["data"])).drop("source_commit_lsn"),
+    result = _merge(read_written(spark, output / previous["data"]).drop("source_commit_lsn"),
                     delta, group_by, measure)
     layer = changes.select(*columns, (F.col("change_op") == "D").alias(DELETED))
     return result, layer, changes
@@ -182,6 +183,7 @@ def _discard(output: Path, kept: set[str]) -> None:
     the previous ones are the committed result."""
     for path in output.iterdir():
         if path.is_dir() and _ROUND_DIRECTORY.fullmatch(path.name) and path.name not in kept:
+            forget(path)
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -239,7 +241,7 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
             publish(_aggregate(rows, group_by, measure))
             new_index = write_base(spark, rows, output, stamp) if key else None
             rows.unpersist()
-        groups = spark.read.parquet(str(output / data)).count()
+        groups = read_written(spark, output / data).count()
     state = {"table": table, "group_by": group_by, "measure": measure,
              "commit_lsn": position.commit_lsn, "end_lsn": position.end_lsn,
              "commit_time": position.commit_time, "slot_name": position.slot_name,

@@ -504,3 +504,18 @@ def test_pipeline_of_a_table_the_feed_does_not_record_recomputes(spark, target_d
     target_db.execute("UPDATE applier.progress SET commit_lsn = '0/20', end_lsn = '0/20'")
     assert _pipeline(tmp_path, target_db)["mode"].startswith("full (the change feed does not record")
     assert _result(spark, tmp_path) == _expected(target_db, "0/20")
+
+
+def test_written_directories_are_read_once_per_session(spark, tmp_path, pg_pair) -> None:
+    """A directory a pipeline wrote is listed and its schema read once; forgetting it (the round
+    that removes it) makes the next read a new one. (``pg_pair``: this module's servers, unused.)"""
+    from applier.spark.written import forget, read_written
+
+    directory = tmp_path / "data-1"
+    spark.range(3).write.parquet(str(directory))
+    first = read_written(spark, directory)
+    assert read_written(spark, directory) is first
+    assert first.count() == 3
+    forget(directory)
+    again = read_written(spark, directory)
+    assert again is not first and again.count() == 3

@@ -103,9 +103,11 @@ def lookup(spark: SparkSession, output: Path, index: KeyIndex, keys: DataFrame,
     the index) that have one."""
     from pyspark.sql import functions as F
 
-    base = read_written(spark, output / index.base.directory) \
-        .withColumn(DELETED, F.lit(False)).withColumn(_ORDER, F.lit(0))
-    entries = base.unionByName(_layers(spark, output, index.layers, 1)) if index.layers else base
+    base = read_written(spark, output / index.base.directory)
+    if not index.layers:  # one entry per key, no tombstone: nothing to pick the newest of
+        return base.join(F.broadcast(keys), list(key), "inner")
+    entries = base.withColumn(DELETED, F.lit(False)).withColumn(_ORDER, F.lit(0)) \
+        .unionByName(_layers(spark, output, index.layers, 1))
     return _newest(entries.join(F.broadcast(keys), list(key), "inner"), key)
 
 

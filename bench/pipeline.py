@@ -140,6 +140,14 @@ def same_results(spark, outputs: dict[str, Path], states: dict[str, dict], tgt: 
             and lsns_i == lsns_f == {lsn} and states["incremental"]["commit_lsn"] == lsn)
 
 
+def header(pg_version: int, master: str) -> str:
+    """The run's first line: servers, machine, Spark master, commit, time and load."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return (f"PostgreSQL {pg_version}, {os.cpu_count()} cores, Spark {master}, commit {commit}, "
+            f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_average()}")
+
+
 def medians(runs: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in runs.items()}
 
@@ -163,10 +171,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (0 < args.change_fraction < 1 and args.rows > 0 and args.groups > 1 and args.repeat > 0):
         parser.error("need 0 < --change-fraction < 1, --rows > 0, --groups > 1, --repeat > 0")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    print(f"PostgreSQL {args.pg_version}, {os.cpu_count()} cores, Spark {args.master}, commit {commit}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_average()}", flush=True)
+    print(header(args.pg_version, args.master), flush=True)
     source = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-pipe-src")
     target = start_server(args.pg_version, TARGET_SETTINGS, name="bench-pipe-tgt")
     spark = None

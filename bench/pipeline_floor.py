@@ -31,10 +31,8 @@ this size on this machine.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,6 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from apply_measure import load_average  # noqa: E402
 from apply_workloads import TARGET_SETTINGS  # noqa: E402
+from pipeline import header  # noqa: E402
 
 from applier.embedded import start_server  # noqa: E402
 from applier.spark.reader import jdbc_options  # noqa: E402
@@ -128,10 +127,7 @@ def main() -> int:
     args = parser.parse_args()
     if not (0 < args.change_fraction < 1 and args.rows > 1 and args.groups > 1 and args.repeat > 0):
         parser.error("need 0 < --change-fraction < 1, --rows > 1, --groups > 1, --repeat > 0")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip() or "unknown"
-    print(f"PostgreSQL {args.pg_version}, {os.cpu_count()} cores, Spark {args.master}, commit {commit}, "
-          f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_average()}", flush=True)
+    print(header(args.pg_version, args.master), flush=True)
     server = start_server(args.pg_version, TARGET_SETTINGS, name="bench-floor")
     work = Path(tempfile.mkdtemp(prefix="bench-floor-"))
     spark = None

@@ -186,18 +186,19 @@ def _last_truncate(snapshot: Snapshot, span: ChangeRange, where: str) -> tuple[s
 
 
 def _net_queries(span: ChangeRange, recorded: TableInfo, select: str, where: str, count: int,
-                 truncated: bool) -> list[str]:
+                 marker: bool) -> list[str]:
     """The reads of the net form: the last change of each key in ``count`` parts by a hash of
     the key, so that all of a key's changes are in one part and PostgreSQL picks its last
-    (``DISTINCT ON``; Spark shuffles nothing), and the truncate marker the range starts at."""
+    (``DISTINCT ON``; Spark shuffles nothing), and (``marker``) the truncate marker the range
+    starts at."""
     keys = ", ".join(f"c.{recorded.column(name).quoted}" for name in span.table.key)
-    # Ordered by the pg_lsn column (c.), not by the text of it the query returns under that name.
     part = f"(pg_catalog.hashtextextended(ROW({keys})::text, 0) & 9223372036854775807) % {count}"
+    # Ordered by the pg_lsn column (c.), not by the text of it the query returns under that name.
     queries = [f"(SELECT DISTINCT ON ({keys}) {select} FROM {span.qualified} c WHERE {where} "
                f"AND c.change_op <> 'T' AND {part} = {n} "
                f"ORDER BY {keys}, c.change_commit_lsn DESC, c.change_seq DESC) applier_changes"
                for n in range(count)]
-    if truncated:
+    if marker:
         queries.append(f"(SELECT {select} FROM {span.qualified} c WHERE {where} "
                        "AND c.change_op = 'T') applier_changes")
     return queries

@@ -21,6 +21,8 @@
  * same target transaction (by COPY; a delete's from the target's old row). A change row needs the
  * change table's partition for its commit LSN: the lane writes one only below ``feed_until``
  * (every change table has its partition there), else it stops and the ordinary path creates it.
+ * A whole transaction taken that wrote change rows also leaves its line of applier.change_commits
+ * (its commit and end LSN, behind ``commit_prefix``) in ``commits``.
  *
  * The lane takes what it is sure of and stops at the first payload it is not, saying why
  * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
@@ -385,6 +387,11 @@ typedef struct {
     long long seq;               /* change rows the transaction has so far */
     char prefix[80];             /* "LSN\ttime\txid\t", made when first needed */
     Py_ssize_t prefix_len;       /* 0: not made yet */
+    /* the change feed's rows of applier.change_commits: one COPY text line (commit_prefix,
+     * then the commit and end LSN) per whole transaction taken that wrote change rows */
+    PyObject *commit_prefix;     /* bytes (the slot and a tab), or None: no feed */
+    PyObject *commits;           /* bytearray, emptied by each take() */
+    Py_ssize_t commit_rows;
 } LaneObject;
 
 static int
@@ -397,7 +404,9 @@ lane_init(LaneObject *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->runs, Py_NewRef(runs));
     Py_XSETREF(self->commit, Py_NewRef(Py_None));
     Py_XSETREF(self->begin, Py_NewRef(Py_None));
-    return 0;
+    Py_XSETREF(self->commit_prefix, Py_NewRef(Py_None));
+    Py_XSETREF(self->commits, PyByteArray_FromStringAndSize(NULL, 0));
+    return self->commits == NULL ? -1 : 0;
 }
 
 static void
@@ -406,6 +415,8 @@ lane_dealloc(LaneObject *self)
     Py_XDECREF(self->runs);
     Py_XDECREF(self->commit);
     Py_XDECREF(self->begin);
+    Py_XDECREF(self->commit_prefix);
+    Py_XDECREF(self->commits);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -725,6 +736,22 @@ lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
     return TAKEN;
 }
 
+/* The applier.change_commits line of a transaction taken whole that wrote change rows. */
+static int
+put_commit(LaneObject *self, unsigned long long commit_lsn, unsigned long long end_lsn)
+{
+    char line[48];
+    Py_ssize_t prefix = PyBytes_GET_SIZE(self->commit_prefix), old = PyByteArray_GET_SIZE(self->commits);
+    int n = snprintf(line, sizeof line, "%X/%X\t%X/%X\n", (unsigned int)(commit_lsn >> 32),
+                     (unsigned int)commit_lsn, (unsigned int)(end_lsn >> 32), (unsigned int)end_lsn);
+    if (PyByteArray_Resize(self->commits, old + prefix + n) < 0)
+        return FAILED;
+    memcpy(PyByteArray_AS_STRING(self->commits) + old, PyBytes_AS_STRING(self->commit_prefix), prefix);
+    memcpy(PyByteArray_AS_STRING(self->commits) + old + prefix, line, n);
+    self->commit_rows++;
+    return TAKEN;
+}
+
 /* take(payloads, start) -> index: take payloads from start on; returns the index of the first
  * one not taken (len(payloads) when all were). */
 static PyObject *
@@ -751,6 +778,9 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->reason = LANE_END;
     self->inserts = self->updates = self->deletes = self->bytes = self->transactions = 0;
+    if (PyByteArray_Resize(self->commits, 0) < 0)
+        return NULL;
+    self->commit_rows = 0;
     if (self->whole)
         self->stamped = 0;
     self->cached_run = NULL;
@@ -795,6 +825,10 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         if (len == 26 && p[0] == 'C' && open && p[1] == 0 && be64(p + 2) == open_final) {
+            /* Commit: flags, commit LSN, end LSN, time */
+            if (self->seq > 0 && self->commit_prefix != NULL && PyBytes_Check(self->commit_prefix)
+                && put_commit(self, open_final, be64(p + 10)) == FAILED)
+                return NULL;
             open = 0;
             open_begin = NULL;
             last_commit = item;
@@ -894,6 +928,12 @@ static PyMemberDef lane_members[] = {
      "the Begin payload of a transaction left open"},
     {"feed_until", T_ULONGLONG, offsetof(LaneObject, feed_until), 0,
      "change rows only for a commit LSN below this (every change table has its partition)"},
+    {"commit_prefix", T_OBJECT, offsetof(LaneObject, commit_prefix), 0,
+     "bytes starting each line of commits (the slot and a tab), or None: no commits kept"},
+    {"commits", T_OBJECT_EX, offsetof(LaneObject, commits), READONLY,
+     "the applier.change_commits rows (COPY text) of the whole transactions the last take() "
+     "took that wrote change rows"},
+    {"commit_rows", T_PYSSIZET, offsetof(LaneObject, commit_rows), READONLY, "lines in commits"},
     {"seq", T_LONGLONG, offsetof(LaneObject, seq), READONLY,
      "change rows of the open (or last) transaction so far: the last one's order"},
     {NULL},

@@ -23,7 +23,8 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   data folds as any other table's; an update
   that left a TOAST value unchanged, an update of a table that is not independent and every
   delete instead record their change rows from the target's rows (``RETURNING``, ``Op.meta``),
-  are never folded, and end folding for their key;
+  are never folded, and end folding for their key; the rows of applier.change_commits of the
+  source transactions that wrote change rows go last, as one COPY;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -39,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
-from ..progress.feed import ChangeTable
+from ..progress.feed import ChangeTable, commits_copy_sql
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
     COPY,
@@ -86,6 +87,10 @@ class Batch:
         self.bytes = 0
         #: Change rows (--change-feed) kept since the last barrier, per relation id.
         self._feed: dict[int, FeedRows] = {}
+        #: The rows of applier.change_commits of the source transactions that wrote change rows
+        #: (COPY text lines, from the lane or ``add_commits``) and their number.
+        self._commits = bytearray()
+        self._commit_rows = 0
 
     def __bool__(self) -> bool:
         return bool(self._ops)
@@ -93,6 +98,8 @@ class Batch:
     def clear(self) -> None:
         self._ops.clear()
         self._feed = {}
+        self._commits.clear()
+        self._commit_rows = 0
         self._last.clear()
         self._close_every_run()
         self.rows = self.inserts = self.bytes = 0
@@ -289,7 +296,15 @@ class Batch:
         self._close_every_run()
         self._ops.append(Op(SQL_TEXT, None, None, None, (SQL_TEXT, False), sql))
 
+    def add_commits(self, lines: bytes | bytearray, rows: int) -> None:
+        """Rows of applier.change_commits (``progress.feed.commit_line``), sent with the batch."""
+        self._commits += lines
+        self._commit_rows += rows
+
     def statements(self) -> Iterator[BatchStatement]:
-        """The batch as statements (``batch_sql.Emitter.statements``)."""
+        """The batch as statements (``batch_sql.Emitter.statements``), then one COPY of the rows
+        of applier.change_commits it holds."""
         self._flush_feed()
-        return self._emitter.statements(self._ops)
+        yield from self._emitter.statements(self._ops)
+        if self._commit_rows:
+            yield BatchStatement(None, commits_copy_sql(), [], [], self._commit_rows, bytes(self._commits))

@@ -69,7 +69,7 @@ def main_applier(session: TargetSession, options: ApplyOptions,
     tx = TargetTransaction(session, store, applied, on_commit,
                            track_target_lsn=options.track_target_lsn)
     if options.feeds:
-        tx.feed = FeedWriter(tx, options.feeds, options.feed_interval)
+        tx.feed = FeedWriter(tx, options.feeds, options.feed_interval, options.slot)
     handlers = build_handlers(tx, tag, info, two_phase=options.two_phase,
                               two_phase_mode=options.two_phase_mode,
                               skip_origins=options.skip_origins, message_sink=options.message_sink,
@@ -99,7 +99,7 @@ def second_applier(main: Applier, session: TargetSession,
     tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
                            track_target_lsn=main.tx.track_target_lsn)
     if main.tx.feed is not None:
-        tx.feed = FeedWriter(tx, main.tx.feed.tables, main.tx.feed.interval)
+        tx.feed = FeedWriter(tx, main.tx.feed.tables, main.tx.feed.interval, main.tx.feed.slot)
     # A schema change here would hold the table's lock until the Stream Commit while the main
     # session waits for it: such a transaction is applied at its commit instead.
     tx.schema_changes = DDL_REFUSED

@@ -233,6 +233,15 @@ class Applier:
                     self.fast.statement(fix)
                 else:
                     tx.sql(fix)
+            if self._fast:
+                assert self.fast is not None
+                line = feed.commit_line(txn.commit_lsn, txn.end_lsn)
+                if line is not None:
+                    self.fast.batch.add_commits(line, 1)
+            else:
+                statement = feed.commit_sql(txn.commit_lsn, txn.end_lsn)
+                if statement is not None:
+                    tx.sql(statement)
         tx.start(None)
         if self._fast:
             assert self.fast is not None

@@ -16,7 +16,9 @@ Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.fee
   newest (forgotten again if that transaction rolls back);
 * the careful path's statements wrapped so that one statement changes a row and records it
   (``WITH ... RETURNING`` the whole new row, unchanged TOAST values included, or the whole old
-  one); the delete row of an update that moved a row to another key; truncate markers.
+  one); the delete row of an update that moved a row to another key; truncate markers;
+* the row in ``applier.change_commits`` (commit and end LSN) of each source transaction that wrote
+  change rows (``commit_line`` for the fast path's COPY, ``commit_sql`` otherwise).
 
 The fast path builds its change rows itself (``feed_sql``). Must never decide what is applied
 or when a transaction begins or ends.
@@ -121,9 +123,12 @@ class FeedSession(Protocol):
 
 class FeedWriter:
     def __init__(self, tx: FeedSession, tables: dict[TableName, ChangeTable],
-                 interval: float) -> None:
+                 interval: float, slot: str) -> None:
         self.tx = tx
         self.tables = tables
+        self.slot = slot
+        #: The start of this slot's lines in applier.change_commits (the C lane writes them too).
+        self.commit_prefix = layout.commit_prefix(slot)
         #: Seconds of WAL a new partition is sized for (a seventh of the retention).
         self.interval = interval
         self._stamp: Stamp | None = None
@@ -228,6 +233,19 @@ class FeedWriter:
         return markers
 
     # -- commits ----------------------------------------------------------------------------------
+    def _wrote_rows(self) -> bool:
+        """The transaction being applied wrote change rows (the lane's included)."""
+        return self._stamp is not None and self._for is self.tx.current and self._stamp.seq > 0
+
+    def commit_line(self, commit_lsn: LSN, end_lsn: LSN) -> bytes | None:
+        """The transaction being applied commits at ``commit_lsn``: its row in
+        applier.change_commits as a COPY line, or None when it wrote no change row."""
+        return layout.commit_line(self.commit_prefix, commit_lsn, end_lsn) if self._wrote_rows() else None
+
+    def commit_sql(self, commit_lsn: LSN, end_lsn: LSN, wrote: bool = False) -> str | None:
+        """Likewise as an INSERT; ``wrote``: it wrote change rows before (prepared on the target)."""
+        return layout.commit_sql(self.slot, commit_lsn, end_lsn) if wrote or self._wrote_rows() else None
+
     def fix_pending(self, commit_lsn: LSN, commit_time: datetime) -> list[str]:
         """The statements that move the rows the transaction being applied wrote with a PENDING
         stamp to its commit LSN (a transaction applied as it streams, at its Stream Commit)."""
@@ -242,9 +260,11 @@ class FeedWriter:
         self._pending_written.clear()
         return fixes
 
-    def fix_prepared(self, xid: int, commit_lsn: LSN, commit_time: datetime) -> None:
+    def fix_prepared(self, xid: int, commit_lsn: LSN, commit_time: datetime) -> bool:
         """COMMIT PREPARED of a transaction prepared on the target: its rows, pending since its
-        prepare, move to the commit LSN (in the open target transaction recording the commit)."""
+        prepare, move to the commit LSN (in the open target transaction recording the commit).
+        Whether it had any."""
+        moved = False
         for change_table in self.tables.values():
             found = self.tx.sql(sql.SQL("SELECT 1 FROM {} WHERE {} = {}::pg_catalog.pg_lsn AND {} = {} "
                                         "LIMIT 1").format(
@@ -254,6 +274,8 @@ class FeedWriter:
                 if commit_lsn >= change_table.newest.to_lsn:
                     self._partition(change_table, commit_lsn)
                 self.tx.sql(layout.fix_pending_sql(change_table, xid, commit_lsn, commit_time))
+                moved = True
+        return moved
 
     # -- the change table's shape -----------------------------------------------------------------
     def align(self, mapping: RelationMapping) -> None:

@@ -4,7 +4,8 @@ Owns deciding when the C lane (``_lane.Lane``) may take payloads and handing wha
 sink: the changes it wrote into the batch's open runs (``batch.Run``: inserts as COPY text, or
 COPY binary when the source sent binary values; ``batch.KeyRun``: updates of every column or
 deletes, by key and folded by key), the
-transactions it saw commit and the last of them (the progress row names it), a part that is due,
+transactions it saw commit and the last of them (the progress row names it), the change feed's
+rows of applier.change_commits of those that wrote change rows, a part that is due,
 a batch that is full. A stream of small transactions (pgbench's, single-row inserts) or one large
 one is then mostly C: no message object, no call per change. Whatever the lane does not take
 (any other message, a table it may not write, an update of part of a row or of its key, a row
@@ -75,6 +76,14 @@ class LaneHost(Protocol):
                   transactions: int, last: TransactionEnd | None) -> None:
         """Count what the lane took."""
 
+    @property
+    def commit_prefix(self) -> bytes | None:
+        """The change feed: the start of this slot's lines of applier.change_commits, or None."""
+
+    def lane_commits(self, lines: bytes, rows: int) -> None:
+        """Rows of applier.change_commits (COPY text) of whole transactions the lane took that
+        wrote change rows."""
+
     def lane_due(self) -> None:
         """After the lane's last commit, no transaction open: commit the batch if its time is up."""
 
@@ -89,6 +98,7 @@ class Lane:
     def __init__(self, module: ModuleType, sink: LaneHost) -> None:
         self._sink = sink
         self._lane = module.Lane(sink.batch_runs)
+        self._lane.commit_prefix = sink.commit_prefix
         # A run for each kind of change, made from (columns, key positions), in the format of
         # the values of the change that asked for it (``Lane.binary``).
         lane = self._lane
@@ -142,6 +152,8 @@ class Lane:
                 last = TransactionEnd(lane.xid, commit.commit_lsn, commit.end_lsn, commit.commit_time,
                                       streamed=False, gid=None)
             sink.lane_took(lane.inserts, lane.updates, lane.deletes, lane.bytes, lane.transactions, last)
+            if lane.commit_rows:
+                sink.lane_commits(bytes(lane.commits), lane.commit_rows)
             if lane.begin is not None:
                 assert hand_back is not None
                 hand_back(lane.begin)  # that transaction continues on the ordinary path

@@ -108,6 +108,14 @@ class LaneSeat:
                   transactions: int, last: TransactionEnd | None) -> None:
         self.fast.took(inserts, updates, deletes, value_bytes, transactions, last)
 
+    @property
+    def commit_prefix(self) -> bytes | None:
+        feed = self.owner.tx.feed
+        return None if feed is None else feed.commit_prefix
+
+    def lane_commits(self, lines: bytes, rows: int) -> None:
+        self.fast.batch.add_commits(lines, rows)
+
     def lane_due(self) -> None:
         self.fast.due()
 

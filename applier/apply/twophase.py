@@ -178,6 +178,7 @@ class TwoPhase:
         skipping = skips.matches(msg.commit_lsn)
         header = self._end_prepared(msg.xid, commit=not skipping,
                                     fault=FailPoint.AFTER_COMMIT_PREPARED)
+        moved = False
         if header is not None and header.mode == "defer":
             skipping = skipping or skips.matches(header.prepare_lsn)
             if not skipping:
@@ -186,7 +187,11 @@ class TwoPhase:
         elif header is not None and not skipping and tx.feed is not None:
             # Prepared on the target: its change rows committed just now, pending; they take
             # the commit's LSN in the transaction that records it (so exactly once).
-            tx.feed.fix_prepared(msg.xid, msg.commit_lsn, msg.commit_time)
+            moved = tx.feed.fix_prepared(msg.xid, msg.commit_lsn, msg.commit_time)
+        if not skipping and tx.feed is not None:
+            recorded = tx.feed.commit_sql(msg.commit_lsn, msg.end_lsn, wrote=moved)
+            if recorded is not None:
+                tx.sql(recorded)
         if skipping:
             skips.record(SkippedTransaction("commit_prepared", msg.commit_lsn, msg.end_lsn, msg.xid,
                                             msg.gid, header.changes if header else 0, ()))

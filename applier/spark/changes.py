@@ -20,7 +20,9 @@ replica.
 Columns: ``change_op`` ('I' insert, 'U' update: the whole new row; 'D' delete: at least the key,
 the whole old row where the target returned it, and the old key of an update that moved a row
 to another key; 'T' truncate: meta only), ``change_commit_lsn`` (text, as PostgreSQL prints it),
-``change_position`` (the commit LSN as decimal(20,0), for ordering), ``change_commit_time``,
+``change_position`` (the commit LSN as decimal(20,0), for ordering), ``change_end_lsn`` (text: the
+end of the source transaction's commit record, where a consumer resumes after it; NULL for a
+change recorded by a worker before bookkeeping revision 0007), ``change_commit_time``,
 ``change_xid``, ``change_seq`` (the change's order in its transaction), then the table's
 columns. Order by ``change_position, change_seq`` to replay.
 """
@@ -127,6 +129,7 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
         if probe else None
     expressions = ["change_op::text AS change_op", "change_commit_lsn::text AS change_commit_lsn",
                    "(change_commit_lsn - '0/0'::pg_lsn)::numeric(20, 0) AS change_position",
+                   f"{_end_lsn(snapshot, span)} AS change_end_lsn",
                    "change_commit_time", "change_xid", "change_seq"]
     expressions += [f"{select_expression(c, c.name in as_text, probed)} AS {c.quoted}" for c in columns]
     where = _within(snapshot, span)
@@ -154,6 +157,16 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
     for more in frames[1:]:
         frame = frame.union(more)
     return with_position(frame, snapshot.position, False, [])
+
+
+def _end_lsn(snapshot: Snapshot, span: ChangeRange) -> str:
+    """The end LSN of a change row's source transaction (``applier.change_commits``, one row per
+    transaction), as text; NULL where the worker that recorded it kept no end LSNs (before
+    bookkeeping revision 0007)."""
+    if snapshot.query("SELECT pg_catalog.to_regclass('applier.change_commits') IS NOT NULL")[0][0]:
+        return ("(SELECT k.end_lsn::text FROM applier.change_commits k WHERE k.slot_name = "
+                f"{snapshot.literal(span.slot)} AND k.commit_lsn = c.change_commit_lsn)")
+    return "NULL::text"
 
 
 def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[str]:

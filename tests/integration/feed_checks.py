@@ -57,6 +57,10 @@ def check_feed(source_db, target_db, table: str, key: Sequence[str] = ("id",)) -
     assert all(len(v) == 1 for v in per_xid.values()), f"{table}: a transaction with several stamps"
     by_lsn = {next(iter(v))[0] for v in per_xid.values()}
     assert len(by_lsn) == len(per_xid), f"{table}: two transactions with one commit LSN"
+    # Each of those transactions has its end LSN, once (the primary key), past its commit LSN.
+    ends = dict(target_db.query("SELECT commit_lsn::text, end_lsn > commit_lsn FROM applier.change_commits"))
+    assert by_lsn <= set(ends), f"{table}: transactions without an end LSN: {sorted(by_lsn - set(ends))[:5]}"
+    assert all(ends[lsn] for lsn in by_lsn), f"{table}: an end LSN not past its commit LSN"
     if key:
         rebuilt, actual = replay(target_db, table, columns, key), rows(target_db, table, columns)
         assert rebuilt == actual, (f"{table}: the recorded changes do not rebuild the table: replay "

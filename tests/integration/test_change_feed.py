@@ -128,6 +128,10 @@ def test_commit_lsn_is_the_source_commit_and_history_starts_with_the_feed(source
         applied = target_db.query("SELECT commit_lsn::text, commit_time FROM applier.progress")[0]
         last = changes(target_db, "pk_t")[-1]
         assert (last[0], last[1]) == applied
+        # Its end LSN, kept once per source transaction, is the one the progress row has.
+        assert target_db.query("SELECT k.end_lsn FROM applier.change_commits k JOIN applier.progress p "
+                               "ON p.slot_name = k.slot_name AND p.commit_lsn = k.commit_lsn") == \
+            target_db.query("SELECT end_lsn FROM applier.progress")
     registry = target_db.query("SELECT created_lsn < retained_after OR created_lsn = retained_after, "
                                "stopped_lsn FROM applier.change_tables")
     assert registry == [(True, None)]
@@ -294,6 +298,14 @@ def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, targ
                                f"WHERE change_commit_lsn > '{kept.start}'")[0][0]
             total = late.query(f"SELECT count(*) FROM {change_table('pk_t')}")[0][0]
             assert count == total > 0
+            # The end LSNs went with the partitions: none left at or below the retained range,
+            # one for each transaction still held.
+            ends = late.query("SELECT count(*) FILTER (WHERE commit_lsn <= %s::pg_lsn), "
+                              "count(*) FILTER (WHERE commit_lsn > %s::pg_lsn) FROM applier.change_commits",
+                              (str(kept.start), str(kept.start)))[0]
+            held_transactions = late.query(f"SELECT count(DISTINCT change_commit_lsn) FROM "
+                                           f"{change_table('pk_t')}")[0][0]
+            assert ends == (0, held_transactions)
     finally:
         assert stop_worker(proc) == 0, log.read_text()[-3000:]
     assert "dropped" in log.read_text()

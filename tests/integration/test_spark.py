@@ -18,6 +18,7 @@ import pytest
 pyspark = pytest.importorskip("pyspark")
 
 from applier.progress.schema import make_engine, upgrade_schema  # noqa: E402
+from applier.protocol.lsn import LSN  # noqa: E402
 from applier.spark import spark_session  # noqa: E402
 from applier.spark.reader import open_snapshot, read_table, read_tables, source_position  # noqa: E402
 
@@ -559,3 +560,13 @@ def test_net_changes_of_a_composite_key_with_awkward_names(spark, source_db, tar
             assert key not in after
         else:
             assert (row["a"], row['b "c"'], row["v"]) == after[key]
+    # Every change carries its transaction's end LSN: one per transaction, past its commit LSN
+    # and not past the next transaction's; the last one's is the end LSN the progress row has.
+    with open_snapshot(target_db.dsn) as snap:
+        every = read_changes(spark, 'public."odd keys"', snap, start_lsn=start).collect()
+    ends = {(int(r["change_position"]), LSN.parse(r["change_end_lsn"])) for r in every}
+    assert len(ends) == len({commit for commit, _ in ends}) == 6
+    ordered = sorted(ends)
+    for (commit, end), (next_commit, _) in zip(ordered, ordered[1:] + [(1 << 64, 0)]):
+        assert commit < end <= next_commit
+    assert str(ordered[-1][1]) == target_db.query("SELECT end_lsn::text FROM applier.progress")[0][0]

@@ -303,7 +303,7 @@ def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
     if feeds:
         from applier.apply.feed import FeedWriter
 
-        tx.feed = FeedWriter(tx, feeds, 3600.0)
+        tx.feed = FeedWriter(tx, feeds, 3600.0, store.slot)
     applier = Applier(tx, RelationCache(reflect, feeds=feeds), (handlers or default_handlers)(tx),
                       limits=BatchLimits(1000, 1 << 20, 3600.0) if fast else None,
                       careful_until=careful_until)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pgoutput_builder as pg
 import pytest
-from fake_target import Rig, mapping, relation, rig
+from fake_target import Rig, mapping, relation, rig, table
 
 from applier.apply.feed import Stamp, moved_key
 from applier.apply.lane import core
@@ -59,7 +59,23 @@ def test_the_careful_path_records_each_change_in_its_statement() -> None:
         # The meta come last: commit LSN, commit time, xid, the change's order.
         assert values[-4:] == [b"0/1000", T0.isoformat().encode(), b"700", str(seq).encode()]
     (transaction,) = r.target.transactions
-    assert [s.split(None, 1)[0] for s in transaction] == ["WITH", "WITH", "WITH"]
+    assert [s.split(None, 1)[0] for s in transaction] == ["WITH", "WITH", "WITH", "INSERT"]
+    # The source transaction's row of applier.change_commits: its commit and end LSN.
+    assert transaction[-1] == ("INSERT INTO applier.change_commits (\"slot_name\", \"commit_lsn\", "
+                               "\"end_lsn\") VALUES ('s', '0/1000'::pg_catalog.pg_lsn, "
+                               "'0/1008'::pg_catalog.pg_lsn)")
+
+
+def test_a_transaction_without_change_rows_leaves_no_commit_row() -> None:
+    """A transaction of a table the feed does not record, after one of a recorded table."""
+    r = rig(feeds={("public", "t"): _change_table()}, tables={"t": table("t"), "u": table("u")})
+    r.applier.relation(relation())
+    r.applier.relation(relation(2, "u"))
+    _transaction(r, 700, 0x1000, Insert(None, 1, _row(b"1", b"a")))
+    _transaction(r, 701, 0x2000, Insert(None, 2, _row(b"1", b"a")))
+    first, second = r.target.transactions
+    assert sum("applier.change_commits" in s for s in first) == 1
+    assert not any("applier.change_commits" in s for s in second)
 
 
 def test_a_truncate_leaves_a_marker_and_a_moved_key_a_delete_row() -> None:
@@ -117,11 +133,13 @@ def test_an_update_that_left_a_toast_value_unchanged_is_recorded_from_the_target
     (batch,) = r.target.transactions
     kinds = [(text.split(None, 1)[0], "RETURNING" in text) for text in batch]
     # In order, none folded across the one the target records: data, recorded, data, then the
-    # change rows of the other two (one statement each: two rows take the ladder's 1 + 1).
+    # change rows of the other two (one statement each: two rows take the ladder's 1 + 1), and
+    # last the transaction's row of applier.change_commits.
     assert kinds == [("UPDATE", False), ("WITH", True), ("UPDATE", False), ("INSERT", False),
-                     ("INSERT", False)]
+                     ("INSERT", False), ("COPY", False)]
     returned = _recorded(r, "WITH")[0]
     assert returned[-1] == b"2"  # its order in the transaction
+    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/1000\t0/1008\n"]]
 
 
 def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> None:
@@ -155,6 +173,34 @@ def test_the_lanes_pending_change_rows_are_fixed_at_the_commit() -> None:
     fix = [text for text in batch if text.startswith(f"UPDATE {CT} SET")]
     assert len(fix) == 1 and "'0/5000'" in fix[0] and "900" in fix[0]
     assert batch.index(fix[0]) > batch.index(recorded[0])
+    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/5000\t0/5008\n"]]
+
+
+def test_the_lane_keeps_the_commit_row_of_each_whole_transaction_with_change_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole transactions the C lane takes: one line of applier.change_commits for each that
+    wrote change rows (its commit and end LSN, as PostgreSQL prints them), none for one that
+    wrote none; all in one COPY with the batch."""
+    if core() is None:
+        pytest.fail("the lane's C core is not built (./dev test builds it)")
+    r, _ = _rig(fast=True)
+    assert r.applier.tx.feed is not None
+    gate = IngestGate(Assembler(r.applier, memory_budget=1 << 20, spill_dir=tmp_path), r.applier.lane)
+    # The table's first change opens its run: the ordinary path takes that transaction on.
+    gate.feed([pg.begin(0x1000, 0, 700), pg.insert(1, [b"1", b"a"]), pg.commit(0, 0x1000, 0x1038, 0)])
+
+    def ordinary_path(*args: object) -> None:
+        raise AssertionError("the ordinary path took a transaction the lane should")
+
+    monkeypatch.setattr(r.applier.tx.feed, "commit_line", ordinary_path)
+    high = 0x1_0000_2000
+    gate.feed([pg.begin(0x1100, 0, 701), pg.insert(1, [b"2", b"b"]), pg.commit(0, 0x1100, 0x1108, 0),
+               pg.begin(0x1200, 0, 702), pg.commit(0, 0x1200, 0x1208, 0),
+               pg.begin(high, 0, 703), pg.insert(1, [b"3", b"c"]), pg.insert(1, [b"4", b"d"]),
+               pg.commit(0, high, high + 0xA8, 0)])
+    r.applier.flush()
+    assert _recorded(r, "COPY applier.change_commits") == [
+        [b"s\t0/1000\t0/1038\ns\t0/1100\t0/1108\ns\t1/2000\t1/20A8\n"]]
 
 
 def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_back() -> None:

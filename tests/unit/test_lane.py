@@ -322,6 +322,11 @@ class _PartSink:
     def lane_stamp(self) -> tuple[int, None]:
         return 0, None  # no change feed
 
+    commit_prefix = None
+
+    def lane_commits(self, lines: bytes, rows: int) -> None:
+        raise AssertionError("no change feed, no commits")
+
     def lane_seq(self, seq: int) -> None:
         pass
 

@@ -88,6 +88,7 @@ class Run:
     each: list[Run] = field(default_factory=list)  # for a median: the runs it is the median of
     baseline: Result | None = None  # our worker from another checkout (--baseline), same backlog
     feed: Result | None = None  # our worker with --change-feed all (--change-feed), same backlog
+    baseline_feed: Result | None = None  # the --baseline checkout's worker with --change-feed all
 
 
 class DrainWatch:
@@ -349,21 +350,24 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
     """One run of ``workload``: fresh databases, the backlog, every drain, the checks; with
     ``hooks_dir``, our worker's counters (bench/probe_hooks.py) in a file there per run; with
     ``baseline``, one more drain by the applier of the checkout there; with ``change_feed``, one
-    more drain of ours with ``--change-feed all``."""
+    more drain of ours with ``--change-feed all`` (and with both, one of the baseline's with it)."""
     source = source_server.create_database(f"bench_src_{index}")
     source_dsn = stream_dsn(source, unix_socket)
     ours = target_server.create_database(f"bench_ours_{index}")
     native = target_server.create_database(f"bench_native_{index}")
     based = target_server.create_database(f"bench_base_{index}") if baseline is not None else None
     fed = target_server.create_database(f"bench_feed_{index}") if change_feed else None
-    extra_targets = [db for db in (based, fed) if db is not None]
+    based_fed = (target_server.create_database(f"bench_base_feed_{index}")
+                 if change_feed and baseline is not None else None)
+    extra_targets = [db for db in (based, fed, based_fed) if db is not None]
     for db in (source, ours, native, *extra_targets):
         prepare(workload, db)
     detailed = workload.marker
     source.execute(f"CREATE PUBLICATION bench FOR TABLE {', '.join(published_tables(workload))}")
     for slot in (("bench_ours", "bench_native", "bench_source") + (("bench_recv",) if detailed else ())
                  + (("bench_base",) if baseline is not None else ())
-                 + (("bench_feed",) if fed is not None else ())):
+                 + (("bench_feed",) if fed is not None else ())
+                 + (("bench_base_feed",) if based_fed is not None else ())):
         source.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
     print("  writing the backlog on the source ...", flush=True)
     workload.write(source)
@@ -391,6 +395,12 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
         feed = drain_ours(source, source_dsn, fed, "bench_feed", workload.decoding_work_mem, end_lsn,
                           detailed, extra=("--change-feed", "all"))
         checkpoint(target_server)
+    before_feed = None
+    if based_fed is not None:
+        print(f"  draining with the applier in {baseline} --change-feed all ...", flush=True)
+        before_feed = drain_ours(source, source_dsn, based_fed, "bench_base_feed", workload.decoding_work_mem,
+                                 end_lsn, detailed, tree=baseline, extra=("--change-feed", "all"))
+        checkpoint(target_server)
     print("  draining with CREATE SUBSCRIPTION ...", flush=True)
     theirs = drain_native(source, source_dsn, native, "bench_native", workload.decoding_work_mem,
                           end_lsn, native_binary, detailed)
@@ -408,11 +418,13 @@ def run_workload(workload: Workload, source_server: PostgresServer, target_serve
         before.equal = same(source, based, tables)
     if feed is not None and fed is not None:
         feed.equal = same(source, fed, tables)
+    if before_feed is not None and based_fed is not None:
+        before_feed.equal = same(source, based_fed, tables)
     ceiling = copy_ceiling(source, ours, workload.tables)
     for db in (source, ours, native, *extra_targets):
         db.cluster.drop_database(db.name)
     drop_applier_origins(target_server)
-    return Run(mine, theirs, alone, ceiling, floor, baseline=before, feed=feed)
+    return Run(mine, theirs, alone, ceiling, floor, baseline=before, feed=feed, baseline_feed=before_feed)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -432,12 +444,14 @@ def medians(runs: list[Run]) -> Run:
     floors = [r.floor for r in runs if r.floor is not None]
     baselines = [r.baseline for r in runs if r.baseline is not None]
     feeds = [r.feed for r in runs if r.feed is not None]
+    based_feeds = [r.baseline_feed for r in runs if r.baseline_feed is not None]
     return Run(_median_result([r.mine for r in runs]), _median_result([r.theirs for r in runs]),
                statistics.median(r.alone for r in runs),
                (statistics.median(r.ceiling[0] for r in runs), runs[0].ceiling[1]),
                _median_result(floors) if floors else None, runs,
                _median_result(baselines) if baselines else None,
-               _median_result(feeds) if feeds else None)
+               _median_result(feeds) if feeds else None,
+               _median_result(based_feeds) if based_feeds else None)
 
 
 def _contenders(run: Run) -> list[tuple[str, Result]]:
@@ -447,6 +461,8 @@ def _contenders(run: Run) -> list[tuple[str, Result]]:
         shown.insert(1, ("baseline", run.baseline))
     if run.feed is not None:
         shown.insert(1, ("+feed", run.feed))
+    if run.baseline_feed is not None:
+        shown.insert(-1, ("base+feed", run.baseline_feed))
     return shown
 
 
@@ -476,6 +492,9 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
         if run.feed is not None:
             print(f"{'':<26} {'+feed':<10} {run.feed.seconds / run.mine.seconds:>7.2f}x  (the drain "
                   "with --change-feed all over the plain one: what recording every change costs)")
+        if run.baseline_feed is not None and run.baseline is not None:
+            print(f"{'':<26} {'base+feed':<10} {run.baseline_feed.seconds / run.baseline.seconds:>7.2f}x  "
+                  "(the same for the --baseline checkout)")
         alone = run.alone
         print(f"{'':<26} {'source':<10} {alone:>8.2f} {workload.rows / alone:>10,.0f} "
               f"{workload.transactions / alone:>9,.0f}   (source's physical ceiling: decoding the "
@@ -512,7 +531,8 @@ def _print_details(rows: list[tuple[Workload, Run]], runs_note: str) -> None:
                 return "; ".join(f"{name} " + ", ".join(_seconds(getattr(getattr(r, attr), pick))
                                                          for r in runs)
                                  for name, attr in (("applier", "mine"), ("native", "theirs"),
-                                                    ("baseline", "baseline"), ("+feed", "feed"))
+                                                    ("baseline", "baseline"), ("+feed", "feed"),
+                                                    ("base+feed", "baseline_feed"))
                                  if getattr(runs[0], attr) is not None)
             print(f"{'':<26} each run, visible s: {each('visible')}")
             print(f"{'':<26} each run, confirmed s: {each('confirmed')}")

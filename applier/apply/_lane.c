@@ -21,8 +21,8 @@
  * same target transaction (by COPY; a delete's from the target's old row). A change row needs the
  * change table's partition for its commit LSN: the lane writes one only below ``feed_until``
  * (every change table has its partition there), else it stops and the ordinary path creates it.
- * A whole transaction taken that wrote change rows also leaves its line of applier.change_commits
- * (its commit and end LSN, behind ``commit_prefix``) in ``commits``.
+ * A whole transaction taken that wrote change rows also leaves its commit and end LSN, as elements
+ * of applier.change_commits' arrays, in ``commit_lsns`` and ``end_lsns`` (``record_commits``).
  *
  * The lane takes what it is sure of and stops at the first payload it is not, saying why
  * (reason); whatever it stops at goes the ordinary way (decoder, assembler, sink), which also
@@ -387,10 +387,11 @@ typedef struct {
     long long seq;               /* change rows the transaction has so far */
     char prefix[80];             /* "LSN\ttime\txid\t", made when first needed */
     Py_ssize_t prefix_len;       /* 0: not made yet */
-    /* the change feed's rows of applier.change_commits: one COPY text line (commit_prefix,
-     * then the commit and end LSN) per whole transaction taken that wrote change rows */
-    PyObject *commit_prefix;     /* bytes (the slot and a tab), or None: no feed */
-    PyObject *commits;           /* bytearray, emptied by each take() */
+    /* the change feed's applier.change_commits: the commit and end LSN ("X/X,", array elements)
+     * of each whole transaction taken that wrote change rows, emptied by each take() */
+    int record_commits;
+    PyObject *commit_lsns;       /* bytearray */
+    PyObject *end_lsns;          /* bytearray */
     Py_ssize_t commit_rows;
 } LaneObject;
 
@@ -404,9 +405,9 @@ lane_init(LaneObject *self, PyObject *args, PyObject *kwargs)
     Py_XSETREF(self->runs, Py_NewRef(runs));
     Py_XSETREF(self->commit, Py_NewRef(Py_None));
     Py_XSETREF(self->begin, Py_NewRef(Py_None));
-    Py_XSETREF(self->commit_prefix, Py_NewRef(Py_None));
-    Py_XSETREF(self->commits, PyByteArray_FromStringAndSize(NULL, 0));
-    return self->commits == NULL ? -1 : 0;
+    Py_XSETREF(self->commit_lsns, PyByteArray_FromStringAndSize(NULL, 0));
+    Py_XSETREF(self->end_lsns, PyByteArray_FromStringAndSize(NULL, 0));
+    return self->commit_lsns == NULL || self->end_lsns == NULL ? -1 : 0;
 }
 
 static void
@@ -415,8 +416,8 @@ lane_dealloc(LaneObject *self)
     Py_XDECREF(self->runs);
     Py_XDECREF(self->commit);
     Py_XDECREF(self->begin);
-    Py_XDECREF(self->commit_prefix);
-    Py_XDECREF(self->commits);
+    Py_XDECREF(self->commit_lsns);
+    Py_XDECREF(self->end_lsns);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -736,18 +737,26 @@ lane_keyed(LaneObject *self, int update, const unsigned char *p, Py_ssize_t len)
     return TAKEN;
 }
 
-/* The applier.change_commits line of a transaction taken whole that wrote change rows. */
+/* An LSN as an array element of applier.change_commits ("X/X,") at the end of buffer. */
+static int
+put_lsn_element(PyObject *buffer, unsigned long long lsn)
+{
+    char text[24];
+    Py_ssize_t old = PyByteArray_GET_SIZE(buffer);
+    int n = snprintf(text, sizeof text, "%X/%X,", (unsigned int)(lsn >> 32), (unsigned int)lsn);
+    if (PyByteArray_Resize(buffer, old + n) < 0)
+        return FAILED;
+    memcpy(PyByteArray_AS_STRING(buffer) + old, text, n);
+    return TAKEN;
+}
+
+/* The commit and end LSN of a transaction taken whole that wrote change rows. */
 static int
 put_commit(LaneObject *self, unsigned long long commit_lsn, unsigned long long end_lsn)
 {
-    char line[48];
-    Py_ssize_t prefix = PyBytes_GET_SIZE(self->commit_prefix), old = PyByteArray_GET_SIZE(self->commits);
-    int n = snprintf(line, sizeof line, "%X/%X\t%X/%X\n", (unsigned int)(commit_lsn >> 32),
-                     (unsigned int)commit_lsn, (unsigned int)(end_lsn >> 32), (unsigned int)end_lsn);
-    if (PyByteArray_Resize(self->commits, old + prefix + n) < 0)
+    if (put_lsn_element(self->commit_lsns, commit_lsn) == FAILED
+        || put_lsn_element(self->end_lsns, end_lsn) == FAILED)
         return FAILED;
-    memcpy(PyByteArray_AS_STRING(self->commits) + old, PyBytes_AS_STRING(self->commit_prefix), prefix);
-    memcpy(PyByteArray_AS_STRING(self->commits) + old + prefix, line, n);
     self->commit_rows++;
     return TAKEN;
 }
@@ -778,7 +787,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     self->reason = LANE_END;
     self->inserts = self->updates = self->deletes = self->bytes = self->transactions = 0;
-    if (PyByteArray_Resize(self->commits, 0) < 0)
+    if (PyByteArray_Resize(self->commit_lsns, 0) < 0 || PyByteArray_Resize(self->end_lsns, 0) < 0)
         return NULL;
     self->commit_rows = 0;
     if (self->whole)
@@ -826,7 +835,7 @@ lane_take(LaneObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (len == 26 && p[0] == 'C' && open && p[1] == 0 && be64(p + 2) == open_final) {
             /* Commit: flags, commit LSN, end LSN, time */
-            if (self->seq > 0 && self->commit_prefix != NULL && PyBytes_Check(self->commit_prefix)
+            if (self->seq > 0 && self->record_commits
                 && put_commit(self, open_final, be64(p + 10)) == FAILED)
                 return NULL;
             open = 0;
@@ -928,12 +937,12 @@ static PyMemberDef lane_members[] = {
      "the Begin payload of a transaction left open"},
     {"feed_until", T_ULONGLONG, offsetof(LaneObject, feed_until), 0,
      "change rows only for a commit LSN below this (every change table has its partition)"},
-    {"commit_prefix", T_OBJECT, offsetof(LaneObject, commit_prefix), 0,
-     "bytes starting each line of commits (the slot and a tab), or None: no commits kept"},
-    {"commits", T_OBJECT_EX, offsetof(LaneObject, commits), READONLY,
-     "the applier.change_commits rows (COPY text) of the whole transactions the last take() "
-     "took that wrote change rows"},
-    {"commit_rows", T_PYSSIZET, offsetof(LaneObject, commit_rows), READONLY, "lines in commits"},
+    {"record_commits", T_INT, offsetof(LaneObject, record_commits), 0,
+     "keep the commit and end LSN of each whole transaction that wrote change rows"},
+    {"commit_lsns", T_OBJECT_EX, offsetof(LaneObject, commit_lsns), READONLY,
+     "commit LSNs (\"X/X,\" each) of the whole transactions the last take() took that wrote change rows"},
+    {"end_lsns", T_OBJECT_EX, offsetof(LaneObject, end_lsns), READONLY, "their end LSNs, likewise"},
+    {"commit_rows", T_PYSSIZET, offsetof(LaneObject, commit_rows), READONLY, "how many"},
     {"seq", T_LONGLONG, offsetof(LaneObject, seq), READONLY,
      "change rows of the open (or last) transaction so far: the last one's order"},
     {NULL},

@@ -23,8 +23,8 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   data folds as any other table's; an update
   that left a TOAST value unchanged, an update of a table that is not independent and every
   delete instead record their change rows from the target's rows (``RETURNING``, ``Op.meta``),
-  are never folded, and end folding for their key; the rows of applier.change_commits of the
-  source transactions that wrote change rows go last, as one COPY;
+  are never folded, and end folding for their key; the commit and end LSNs of the source
+  transactions that wrote change rows go last, as one row of applier.change_commits;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -40,7 +40,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
-from ..progress.feed import ChangeTable, commits_copy_sql
+from ..progress.feed import ChangeTable, commits_copy_sql, commits_line, lsn_element
+from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
     COPY,
@@ -87,10 +88,11 @@ class Batch:
         self.bytes = 0
         #: Change rows (--change-feed) kept since the last barrier, per relation id.
         self._feed: dict[int, FeedRows] = {}
-        #: The rows of applier.change_commits of the source transactions that wrote change rows
-        #: (COPY text lines, from the lane or ``add_commits``) and their number.
-        self._commits = bytearray()
-        self._commit_rows = 0
+        #: The commit and end LSNs of the source transactions that wrote change rows, as the
+        #: elements of one row of applier.change_commits (``add_commits``), and the slot's name.
+        self._commit_lsns = bytearray()
+        self._end_lsns = bytearray()
+        self._commit_slot = ""
 
     def __bool__(self) -> bool:
         return bool(self._ops)
@@ -98,8 +100,8 @@ class Batch:
     def clear(self) -> None:
         self._ops.clear()
         self._feed = {}
-        self._commits.clear()
-        self._commit_rows = 0
+        self._commit_lsns.clear()
+        self._end_lsns.clear()
         self._last.clear()
         self._close_every_run()
         self.rows = self.inserts = self.bytes = 0
@@ -296,15 +298,22 @@ class Batch:
         self._close_every_run()
         self._ops.append(Op(SQL_TEXT, None, None, None, (SQL_TEXT, False), sql))
 
-    def add_commits(self, lines: bytes | bytearray, rows: int) -> None:
-        """Rows of applier.change_commits (``progress.feed.commit_line``), sent with the batch."""
-        self._commits += lines
-        self._commit_rows += rows
+    def add_commits(self, slot: str, commit_lsns: bytes, end_lsns: bytes) -> None:
+        """Source transactions of ``slot`` that wrote change rows, in commit order: their commit
+        and end LSNs as array elements (``progress.feed.lsn_element``), sent with the batch."""
+        self._commit_slot = slot
+        self._commit_lsns += commit_lsns
+        self._end_lsns += end_lsns
+
+    def add_commit(self, slot: str, commit_lsn: LSN, end_lsn: LSN) -> None:
+        """One source transaction of ``slot`` that wrote change rows (``add_commits``)."""
+        self.add_commits(slot, lsn_element(commit_lsn), lsn_element(end_lsn))
 
     def statements(self) -> Iterator[BatchStatement]:
-        """The batch as statements (``batch_sql.Emitter.statements``), then one COPY of the rows
-        of applier.change_commits it holds."""
+        """The batch as statements (``batch_sql.Emitter.statements``), then the row of
+        applier.change_commits of the transactions that wrote change rows, if any."""
         self._flush_feed()
         yield from self._emitter.statements(self._ops)
-        if self._commit_rows:
-            yield BatchStatement(None, commits_copy_sql(), [], [], self._commit_rows, bytes(self._commits))
+        if self._commit_lsns:
+            yield BatchStatement(None, commits_copy_sql(), [], [], 1,
+                                 commits_line(self._commit_slot, self._commit_lsns, self._end_lsns))

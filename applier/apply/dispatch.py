@@ -235,9 +235,8 @@ class Applier:
                     tx.sql(fix)
             if self._fast:
                 assert self.fast is not None
-                line = feed.commit_line(txn.commit_lsn, txn.end_lsn)
-                if line is not None:
-                    self.fast.batch.add_commits(line, 1)
+                if feed.wrote_rows():
+                    self.fast.batch.add_commit(feed.slot, txn.commit_lsn, txn.end_lsn)
             else:
                 statement = feed.commit_sql(txn.commit_lsn, txn.end_lsn)
                 if statement is not None:

@@ -17,8 +17,8 @@ Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.fee
 * the careful path's statements wrapped so that one statement changes a row and records it
   (``WITH ... RETURNING`` the whole new row, unchanged TOAST values included, or the whole old
   one); the delete row of an update that moved a row to another key; truncate markers;
-* the row in ``applier.change_commits`` (commit and end LSN) of each source transaction that wrote
-  change rows (``commit_line`` for the fast path's COPY, ``commit_sql`` otherwise).
+* whether the source transaction being applied wrote change rows, so that its commit and end LSN
+  go to ``applier.change_commits`` (``wrote_rows``; ``commit_sql`` outside the fast path).
 
 The fast path builds its change rows itself (``feed_sql``). Must never decide what is applied
 or when a transaction begins or ends.
@@ -127,8 +127,6 @@ class FeedWriter:
         self.tx = tx
         self.tables = tables
         self.slot = slot
-        #: The start of this slot's lines in applier.change_commits (the C lane writes them too).
-        self.commit_prefix = layout.commit_prefix(slot)
         #: Seconds of WAL a new partition is sized for (a seventh of the retention).
         self.interval = interval
         self._stamp: Stamp | None = None
@@ -233,18 +231,14 @@ class FeedWriter:
         return markers
 
     # -- commits ----------------------------------------------------------------------------------
-    def _wrote_rows(self) -> bool:
+    def wrote_rows(self) -> bool:
         """The transaction being applied wrote change rows (the lane's included)."""
         return self._stamp is not None and self._for is self.tx.current and self._stamp.seq > 0
 
-    def commit_line(self, commit_lsn: LSN, end_lsn: LSN) -> bytes | None:
-        """The transaction being applied commits at ``commit_lsn``: its row in
-        applier.change_commits as a COPY line, or None when it wrote no change row."""
-        return layout.commit_line(self.commit_prefix, commit_lsn, end_lsn) if self._wrote_rows() else None
-
     def commit_sql(self, commit_lsn: LSN, end_lsn: LSN, wrote: bool = False) -> str | None:
-        """Likewise as an INSERT; ``wrote``: it wrote change rows before (prepared on the target)."""
-        return layout.commit_sql(self.slot, commit_lsn, end_lsn) if wrote or self._wrote_rows() else None
+        """The row of applier.change_commits of the transaction being applied, committing at
+        ``commit_lsn``, if it wrote change rows (``wrote``: before, prepared on the target)."""
+        return layout.commit_sql(self.slot, commit_lsn, end_lsn) if wrote or self.wrote_rows() else None
 
     def fix_pending(self, commit_lsn: LSN, commit_time: datetime) -> list[str]:
         """The statements that move the rows the transaction being applied wrote with a PENDING

@@ -77,12 +77,13 @@ class LaneHost(Protocol):
         """Count what the lane took."""
 
     @property
-    def commit_prefix(self) -> bytes | None:
-        """The change feed: the start of this slot's lines of applier.change_commits, or None."""
+    def records_commits(self) -> bool:
+        """The change feed is on: keep the commit and end LSN of each transaction that wrote
+        change rows (applier.change_commits)."""
 
-    def lane_commits(self, lines: bytes, rows: int) -> None:
-        """Rows of applier.change_commits (COPY text) of whole transactions the lane took that
-        wrote change rows."""
+    def lane_commits(self, commit_lsns: bytes, end_lsns: bytes) -> None:
+        """The commit and end LSNs (array elements, ``progress.feed.lsn_element``) of the whole
+        transactions the lane took that wrote change rows."""
 
     def lane_due(self) -> None:
         """After the lane's last commit, no transaction open: commit the batch if its time is up."""
@@ -98,7 +99,7 @@ class Lane:
     def __init__(self, module: ModuleType, sink: LaneHost) -> None:
         self._sink = sink
         self._lane = module.Lane(sink.batch_runs)
-        self._lane.commit_prefix = sink.commit_prefix
+        self._lane.record_commits = sink.records_commits
         # A run for each kind of change, made from (columns, key positions), in the format of
         # the values of the change that asked for it (``Lane.binary``).
         lane = self._lane
@@ -153,7 +154,7 @@ class Lane:
                                       streamed=False, gid=None)
             sink.lane_took(lane.inserts, lane.updates, lane.deletes, lane.bytes, lane.transactions, last)
             if lane.commit_rows:
-                sink.lane_commits(bytes(lane.commits), lane.commit_rows)
+                sink.lane_commits(bytes(lane.commit_lsns), bytes(lane.end_lsns))
             if lane.begin is not None:
                 assert hand_back is not None
                 hand_back(lane.begin)  # that transaction continues on the ordinary path

@@ -109,12 +109,13 @@ class LaneSeat:
         self.fast.took(inserts, updates, deletes, value_bytes, transactions, last)
 
     @property
-    def commit_prefix(self) -> bytes | None:
-        feed = self.owner.tx.feed
-        return None if feed is None else feed.commit_prefix
+    def records_commits(self) -> bool:
+        return self.owner.tx.feed is not None
 
-    def lane_commits(self, lines: bytes, rows: int) -> None:
-        self.fast.batch.add_commits(lines, rows)
+    def lane_commits(self, commit_lsns: bytes, end_lsns: bytes) -> None:
+        feed = self.owner.tx.feed
+        assert feed is not None
+        self.fast.batch.add_commits(feed.slot, commit_lsns, end_lsns)
 
     def lane_due(self) -> None:
         self.fast.due()

@@ -16,10 +16,11 @@ only the partitions it covers:
   placeholder ``PENDING`` and moved to their commit LSN in the target transaction that records
   that commit (``fix_pending_sql``).
 
-Each source transaction that wrote change rows also leaves one row in ``applier.change_commits``
-(slot, commit LSN, end LSN), in the same target transaction: the end LSN is known only at the
+Each source transaction that wrote change rows also leaves its commit LSN and end LSN in
+``applier.change_commits``, in the same target transaction: the end LSN is known only at the
 Commit, after a large transaction's change rows may already be on the target, so it is kept once
-per transaction rather than in every change row. Readers join it by commit LSN.
+per transaction rather than in every change row, and as arrays, one row for all the transactions
+a target transaction (or part of one) recorded. Readers join it by commit LSN.
 
 Owns the layout (``ChangeTable``, ``META_COLUMNS``, names within 63 bytes) and composes every
 statement that writes change rows or changes change tables (psycopg.sql for identifiers and
@@ -43,7 +44,7 @@ __all__ = ["SCHEMA", "META_COLUMNS", "META_TYPES", "PENDING", "OPS", "ChangeTabl
            "change_table_name", "partition_name", "create_table_sql", "partition_sql",
            "add_column_sql", "alter_type_sql", "insert_prefix", "copy_sql", "wrap_sql",
            "marker_sql", "fix_pending_sql", "returning", "meta_placeholders", "fit", "next_partition",
-           "partition_row_sql", "MIN_SPAN", "MAX_SPAN", "first_span", "commit_prefix", "commit_line",
+           "partition_row_sql", "MIN_SPAN", "MAX_SPAN", "first_span", "lsn_element", "commits_line",
            "commits_copy_sql", "commit_sql"]
 
 SCHEMA = "applier_changes"
@@ -261,31 +262,36 @@ def fix_pending_sql(change_table: ChangeTable, xid: int, commit_lsn: LSN,
 
 # -- the source transactions that wrote change rows ------------------------------------------------
 
-#: Columns of ``applier.change_commits`` as COPY text takes them (``commit_line``).
-_COMMIT_COLUMNS = ("slot_name", "commit_lsn", "end_lsn")
+#: Columns of ``applier.change_commits`` (``commits_copy_sql``).
+_COMMIT_COLUMNS = ("slot_name", "first_lsn", "last_lsn", "commit_lsns", "end_lsns")
 
 
-def commit_prefix(slot: str) -> bytes:
-    """The start of a ``commit_line`` of ``slot``: its name and a tab (a slot name is made of
-    lower-case letters, digits and underscores, so it needs no COPY escaping)."""
-    assert slot.replace("_", "").isalnum(), slot
-    return slot.encode() + b"\t"
+def lsn_element(lsn: LSN) -> bytes:
+    """``lsn`` as an element of ``commits_line``'s arrays, comma included (the C lane writes the
+    same)."""
+    return b"%X/%X," % (lsn >> 32, lsn & 0xFFFFFFFF)
 
 
-def commit_line(prefix: bytes, commit_lsn: LSN, end_lsn: LSN) -> bytes:
-    """One row of ``applier.change_commits`` as a COPY text line (the C lane writes the same)."""
-    return b"%s%s\t%s\n" % (prefix, str(commit_lsn).encode(), str(end_lsn).encode())
+def commits_line(slot: str, commit_lsns: bytes | bytearray, end_lsns: bytes | bytearray) -> bytes:
+    """One row of ``applier.change_commits`` as a COPY text line: the transactions whose commit
+    LSNs (in commit order) and end LSNs are ``lsn_element``s in ``commit_lsns`` and ``end_lsns``.
+    A slot name is made of lower-case letters, digits and underscores: it needs no escaping."""
+    assert slot.replace("_", "").isalnum() and commit_lsns and end_lsns, slot
+    first = commit_lsns[:commit_lsns.index(b",")]
+    last = commit_lsns[commit_lsns.rfind(b",", 0, len(commit_lsns) - 1) + 1:-1]
+    return b"%s\t%s\t%s\t{%s}\t{%s}\n" % (slot.encode(), first, last, commit_lsns[:-1], end_lsns[:-1])
 
 
 def commits_copy_sql() -> str:
-    """``COPY applier.change_commits (...) FROM STDIN``, for lines of ``commit_line``."""
+    """``COPY applier.change_commits (...) FROM STDIN``, for ``commits_line``s."""
     return sql.SQL("COPY applier.change_commits ({}) FROM STDIN").format(
         sql.SQL(", ").join(map(sql.Identifier, _COMMIT_COLUMNS))).as_string()
 
 
 def commit_sql(slot: str, commit_lsn: LSN, end_lsn: LSN) -> str:
     """The row of one source transaction that wrote change rows, as an INSERT."""
+    commit, end = sql.Literal(str(commit_lsn)), sql.Literal(str(end_lsn))
     return sql.SQL("INSERT INTO applier.change_commits ({}) VALUES ({}, {}::pg_catalog.pg_lsn, "
-                   "{}::pg_catalog.pg_lsn)").format(
-        sql.SQL(", ").join(map(sql.Identifier, _COMMIT_COLUMNS)), sql.Literal(slot),
-        sql.Literal(str(commit_lsn)), sql.Literal(str(end_lsn))).as_string()
+                   "{}::pg_catalog.pg_lsn, ARRAY[{}::pg_catalog.pg_lsn], ARRAY[{}::pg_catalog.pg_lsn])").format(
+        sql.SQL(", ").join(map(sql.Identifier, _COMMIT_COLUMNS)), sql.Literal(slot), commit, commit,
+        commit, end).as_string()

@@ -264,7 +264,7 @@ class FeedRegistry:
                      "committed after %s are kept", change_table.display, len(old), retained)
         if dropped:
             # The end LSNs of transactions no change table of the slot holds a row of any more.
-            self._rows("DELETE FROM applier.change_commits WHERE slot_name = %(slot)s AND commit_lsn <= "
+            self._rows("DELETE FROM applier.change_commits WHERE slot_name = %(slot)s AND last_lsn <= "
                        "(SELECT min(retained_after) FROM applier.change_tables WHERE slot_name = %(slot)s)",
                        {"slot": slot})
         return dropped

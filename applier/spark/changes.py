@@ -20,11 +20,11 @@ replica.
 Columns: ``change_op`` ('I' insert, 'U' update: the whole new row; 'D' delete: at least the key,
 the whole old row where the target returned it, and the old key of an update that moved a row
 to another key; 'T' truncate: meta only), ``change_commit_lsn`` (text, as PostgreSQL prints it),
-``change_position`` (the commit LSN as decimal(20,0), for ordering), ``change_end_lsn`` (text: the
-end of the source transaction's commit record, where a consumer resumes after it; NULL for a
-change recorded by a worker before bookkeeping revision 0007), ``change_commit_time``,
+``change_position`` (the commit LSN as decimal(20,0), for ordering), ``change_commit_time``,
 ``change_xid``, ``change_seq`` (the change's order in its transaction), then the table's
-columns. Order by ``change_position, change_seq`` to replay.
+columns, then ``change_end_lsn`` (text: the end of the source transaction's commit record, where
+a consumer resumes after it; NULL for a change recorded by a worker before bookkeeping revision
+0007). Order by ``change_position, change_seq`` to replay.
 """
 
 from __future__ import annotations
@@ -129,7 +129,6 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
         if probe else None
     expressions = ["change_op::text AS change_op", "change_commit_lsn::text AS change_commit_lsn",
                    "(change_commit_lsn - '0/0'::pg_lsn)::numeric(20, 0) AS change_position",
-                   f"{_end_lsn(snapshot, span)} AS change_end_lsn",
                    "change_commit_time", "change_xid", "change_seq"]
     expressions += [f"{select_expression(c, c.name in as_text, probed)} AS {c.quoted}" for c in columns]
     where = _within(snapshot, span)
@@ -144,14 +143,17 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
                    "preferTimestampNTZ": "true"}
     count = num_partitions or spark.sparkContext.defaultParallelism
     select = ", ".join(expressions)
+    ends = _EndLsn(snapshot, span)
     if net:
-        queries = _net_queries(span, recorded, select, where, count, last_truncate is not None)
+        queries = [ends.join(query, span.start, span.end)
+                   for query in _net_queries(span, recorded, select, where, count, last_truncate is not None)]
     else:
         # One read per range of commit LSNs, each with its range inside its own query:
         # PostgreSQL then reads only the partitions (and BRIN ranges) it covers, which a
         # predicate Spark adds around a subquery's computed column would not let it do.
-        queries = [f"(SELECT {select} FROM {span.qualified} c WHERE {where} AND {part}) applier_changes"
-                   for part in _lsn_ranges(snapshot, span.start, span.end, count)]
+        queries = [ends.join(f"SELECT {select} FROM {span.qualified} c WHERE {where} AND "
+                             f"{_between(snapshot, 'change_commit_lsn', lo, hi)}", lo, hi)
+                   for lo, hi in _lsn_bounds(span.start, span.end, count)]
     frames = [spark.read.jdbc(url, query, properties=properties) for query in queries]
     frame = frames[0]
     for more in frames[1:]:
@@ -159,29 +161,47 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
     return with_position(frame, snapshot.position, False, [])
 
 
-def _end_lsn(snapshot: Snapshot, span: ChangeRange) -> str:
-    """The end LSN of a change row's source transaction (``applier.change_commits``, one row per
-    transaction), as text; NULL where the worker that recorded it kept no end LSNs (before
-    bookkeeping revision 0007)."""
-    if snapshot.query("SELECT pg_catalog.to_regclass('applier.change_commits') IS NOT NULL")[0][0]:
-        return ("(SELECT k.end_lsn::text FROM applier.change_commits k WHERE k.slot_name = "
-                f"{snapshot.literal(span.slot)} AND k.commit_lsn = c.change_commit_lsn)")
-    return "NULL::text"
+class _EndLsn:
+    """Each change's ``change_end_lsn``: its source transaction's end LSN, as text, from
+    ``applier.change_commits`` (one row per transaction, joined by commit LSN outside the query of
+    the change rows, whose columns may have any name); NULL where the worker that recorded the
+    change kept no end LSNs (before bookkeeping revision 0007)."""
+
+    def __init__(self, snapshot: Snapshot, span: ChangeRange) -> None:
+        self.snapshot = snapshot
+        self.slot = snapshot.literal(span.slot)
+        self.kept = snapshot.query(
+            "SELECT pg_catalog.to_regclass('applier.change_commits') IS NOT NULL")[0][0]
+
+    def join(self, query: str, lo: LSN, hi: LSN) -> str:
+        """``query`` (change rows committed in ``(lo, hi]``, with ``change_commit_lsn`` as text)
+        with ``change_end_lsn`` added, as a subquery for Spark."""
+        if not self.kept:
+            return f"(SELECT q.*, NULL::text AS change_end_lsn FROM ({query}) q) applier_changes"
+        ends = (f"SELECT e.commit_lsn, e.end_lsn FROM applier.change_commits k, "
+                "unnest(k.commit_lsns, k.end_lsns) e(commit_lsn, end_lsn) "
+                f"WHERE k.slot_name = {self.slot} AND k.last_lsn > {self.snapshot.literal(str(lo))}::pg_lsn "
+                f"AND k.first_lsn <= {self.snapshot.literal(str(hi))}::pg_lsn "
+                f"AND {_between(self.snapshot, 'e.commit_lsn', lo, hi)}")
+        return (f"(SELECT q.*, e.end_lsn::text AS change_end_lsn FROM ({query}) q LEFT JOIN "
+                f"({ends}) e ON e.commit_lsn = q.change_commit_lsn::pg_lsn) applier_changes")
 
 
-def _lsn_ranges(snapshot: Snapshot, start: LSN, end: LSN, count: int) -> list[str]:
-    """Conditions splitting ``(start, end]`` into ``count`` ranges of commit LSNs (of equal WAL
-    length: changes are spread over it as the source wrote them)."""
+def _between(snapshot: Snapshot, column: str, lo: LSN, hi: LSN) -> str:
+    return (f"{column} > {snapshot.literal(str(lo))}::pg_lsn AND "
+            f"{column} <= {snapshot.literal(str(hi))}::pg_lsn")
+
+
+def _lsn_bounds(start: LSN, end: LSN, count: int) -> list[tuple[LSN, LSN]]:
+    """``(start, end]`` split into ``count`` ranges of commit LSNs (of equal WAL length: changes
+    are spread over it as the source wrote them)."""
     count = max(1, min(count, int(end) - int(start)))
     cuts = [LSN(int(start) + (int(end) - int(start)) * i // count) for i in range(count + 1)]
-    return [f"change_commit_lsn > {snapshot.literal(str(lo))}::pg_lsn AND "
-            f"change_commit_lsn <= {snapshot.literal(str(hi))}::pg_lsn"
-            for lo, hi in zip(cuts, cuts[1:])]
+    return list(zip(cuts, cuts[1:]))
 
 
 def _within(snapshot: Snapshot, span: ChangeRange) -> str:
-    return (f"change_commit_lsn > {snapshot.literal(str(span.start))}::pg_lsn "
-            f"AND change_commit_lsn <= {snapshot.literal(str(span.end))}::pg_lsn")
+    return _between(snapshot, "change_commit_lsn", span.start, span.end)
 
 
 def truncated(snapshot: Snapshot, span: ChangeRange) -> bool:
@@ -207,11 +227,10 @@ def _net_queries(span: ChangeRange, recorded: TableInfo, select: str, where: str
     keys = ", ".join(f"c.{recorded.column(name).quoted}" for name in span.table.key)
     part = f"(pg_catalog.hashtextextended(ROW({keys})::text, 0) & 9223372036854775807) % {count}"
     # Ordered by the pg_lsn column (c.), not by the text of it the query returns under that name.
-    queries = [f"(SELECT DISTINCT ON ({keys}) {select} FROM {span.qualified} c WHERE {where} "
+    queries = [f"SELECT DISTINCT ON ({keys}) {select} FROM {span.qualified} c WHERE {where} "
                f"AND c.change_op <> 'T' AND {part} = {n} "
-               f"ORDER BY {keys}, c.change_commit_lsn DESC, c.change_seq DESC) applier_changes"
+               f"ORDER BY {keys}, c.change_commit_lsn DESC, c.change_seq DESC"
                for n in range(count)]
     if marker:
-        queries.append(f"(SELECT {select} FROM {span.qualified} c WHERE {where} "
-                       "AND c.change_op = 'T') applier_changes")
+        queries.append(f"SELECT {select} FROM {span.qualified} c WHERE {where} AND c.change_op = 'T'")
     return queries

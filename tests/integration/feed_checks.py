@@ -8,6 +8,9 @@ from collections.abc import Sequence
 from replication import rows, source_columns
 
 PENDING = "FFFFFFFF/FFFFFFFF"
+#: applier.change_commits, one row per source transaction (a subquery to alias).
+COMMITS = ("(SELECT k.slot_name, e.commit_lsn, e.end_lsn FROM applier.change_commits k, "
+           "unnest(k.commit_lsns, k.end_lsns) e(commit_lsn, end_lsn))")
 
 
 def change_table(table: str, schema: str = "public") -> str:
@@ -57,10 +60,14 @@ def check_feed(source_db, target_db, table: str, key: Sequence[str] = ("id",)) -
     assert all(len(v) == 1 for v in per_xid.values()), f"{table}: a transaction with several stamps"
     by_lsn = {next(iter(v))[0] for v in per_xid.values()}
     assert len(by_lsn) == len(per_xid), f"{table}: two transactions with one commit LSN"
-    # Each of those transactions has its end LSN, once (the primary key), past its commit LSN.
-    ends = dict(target_db.query("SELECT commit_lsn::text, end_lsn > commit_lsn FROM applier.change_commits"))
+    # Each of those transactions has its end LSN, once, past its commit LSN.
+    recorded = target_db.query(f"SELECT commit_lsn::text, end_lsn > commit_lsn FROM {COMMITS} commits")
+    ends = dict(recorded)
+    assert len(ends) == len(recorded), f"{table}: a transaction's end LSN recorded twice"
     assert by_lsn <= set(ends), f"{table}: transactions without an end LSN: {sorted(by_lsn - set(ends))[:5]}"
     assert all(ends[lsn] for lsn in by_lsn), f"{table}: an end LSN not past its commit LSN"
+    assert target_db.query("SELECT count(*) FROM applier.change_commits WHERE first_lsn <> commit_lsns[1] "
+                           "OR last_lsn <> commit_lsns[cardinality(commit_lsns)]") == [(0,)]
     if key:
         rebuilt, actual = replay(target_db, table, columns, key), rows(target_db, table, columns)
         assert rebuilt == actual, (f"{table}: the recorded changes do not rebuild the table: replay "

@@ -61,9 +61,11 @@ def test_the_careful_path_records_each_change_in_its_statement() -> None:
     (transaction,) = r.target.transactions
     assert [s.split(None, 1)[0] for s in transaction] == ["WITH", "WITH", "WITH", "INSERT"]
     # The source transaction's row of applier.change_commits: its commit and end LSN.
-    assert transaction[-1] == ("INSERT INTO applier.change_commits (\"slot_name\", \"commit_lsn\", "
-                               "\"end_lsn\") VALUES ('s', '0/1000'::pg_catalog.pg_lsn, "
-                               "'0/1008'::pg_catalog.pg_lsn)")
+    assert transaction[-1] == (
+        "INSERT INTO applier.change_commits (\"slot_name\", \"first_lsn\", \"last_lsn\", "
+        "\"commit_lsns\", \"end_lsns\") VALUES ('s', '0/1000'::pg_catalog.pg_lsn, "
+        "'0/1000'::pg_catalog.pg_lsn, ARRAY['0/1000'::pg_catalog.pg_lsn], "
+        "ARRAY['0/1008'::pg_catalog.pg_lsn])")
 
 
 def test_a_transaction_without_change_rows_leaves_no_commit_row() -> None:
@@ -139,7 +141,7 @@ def test_an_update_that_left_a_toast_value_unchanged_is_recorded_from_the_target
                      ("INSERT", False), ("COPY", False)]
     returned = _recorded(r, "WITH")[0]
     assert returned[-1] == b"2"  # its order in the transaction
-    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/1000\t0/1008\n"]]
+    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/1000\t0/1000\t{0/1000}\t{0/1008}\n"]]
 
 
 def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> None:
@@ -173,14 +175,14 @@ def test_the_lanes_pending_change_rows_are_fixed_at_the_commit() -> None:
     fix = [text for text in batch if text.startswith(f"UPDATE {CT} SET")]
     assert len(fix) == 1 and "'0/5000'" in fix[0] and "900" in fix[0]
     assert batch.index(fix[0]) > batch.index(recorded[0])
-    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/5000\t0/5008\n"]]
+    assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/5000\t0/5000\t{0/5000}\t{0/5008}\n"]]
 
 
 def test_the_lane_keeps_the_commit_row_of_each_whole_transaction_with_change_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Whole transactions the C lane takes: one line of applier.change_commits for each that
-    wrote change rows (its commit and end LSN, as PostgreSQL prints them), none for one that
-    wrote none; all in one COPY with the batch."""
+    """Whole transactions the C lane takes: the commit and end LSN of each that wrote change rows
+    (as PostgreSQL prints them), none of one that wrote none, after the ordinary path's; all in
+    one row of applier.change_commits, first and last commit LSN beside the arrays."""
     if core() is None:
         pytest.fail("the lane's C core is not built (./dev test builds it)")
     r, _ = _rig(fast=True)
@@ -192,7 +194,7 @@ def test_the_lane_keeps_the_commit_row_of_each_whole_transaction_with_change_row
     def ordinary_path(*args: object) -> None:
         raise AssertionError("the ordinary path took a transaction the lane should")
 
-    monkeypatch.setattr(r.applier.tx.feed, "commit_line", ordinary_path)
+    monkeypatch.setattr(r.applier.tx.feed, "wrote_rows", ordinary_path)
     high = 0x1_0000_2000
     gate.feed([pg.begin(0x1100, 0, 701), pg.insert(1, [b"2", b"b"]), pg.commit(0, 0x1100, 0x1108, 0),
                pg.begin(0x1200, 0, 702), pg.commit(0, 0x1200, 0x1208, 0),
@@ -200,7 +202,7 @@ def test_the_lane_keeps_the_commit_row_of_each_whole_transaction_with_change_row
                pg.commit(0, high, high + 0xA8, 0)])
     r.applier.flush()
     assert _recorded(r, "COPY applier.change_commits") == [
-        [b"s\t0/1000\t0/1038\ns\t0/1100\t0/1108\ns\t1/2000\t1/20A8\n"]]
+        [b"s\t0/1000\t1/2000\t{0/1000,0/1100,1/2000}\t{0/1038,0/1108,1/20A8}\n"]]
 
 
 def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_back() -> None:

@@ -322,9 +322,9 @@ class _PartSink:
     def lane_stamp(self) -> tuple[int, None]:
         return 0, None  # no change feed
 
-    commit_prefix = None
+    records_commits = False
 
-    def lane_commits(self, lines: bytes, rows: int) -> None:
+    def lane_commits(self, commit_lsns: bytes, end_lsns: bytes) -> None:
         raise AssertionError("no change feed, no commits")
 
     def lane_seq(self, seq: int) -> None:

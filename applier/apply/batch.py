@@ -24,7 +24,7 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   that left a TOAST value unchanged, an update of a table that is not independent and every
   delete instead record their change rows from the target's rows (``RETURNING``, ``Op.meta``),
   are never folded, and end folding for their key; the commit and end LSNs of the source
-  transactions that wrote change rows go last, as one row of applier.change_commits;
+  transactions that wrote change rows go last, as rows of applier.change_commits;
 - every statement carries the exact number of rows it must affect. With the idempotent policy a
   conflict (an existing key on insert, a missing row on update or delete) shows up as a different
   count (a COPY meeting an existing key fails with a unique violation instead); the caller then
@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
-from ..progress.feed import ChangeTable, commits_copy_sql, commits_line, lsn_element
+from ..progress.feed import ChangeTable, commits_copy_sql, commits_rows, lsn_element
 from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
@@ -310,10 +310,10 @@ class Batch:
         self.add_commits(slot, lsn_element(commit_lsn), lsn_element(end_lsn))
 
     def statements(self) -> Iterator[BatchStatement]:
-        """The batch as statements (``batch_sql.Emitter.statements``), then the row of
+        """The batch as statements (``batch_sql.Emitter.statements``), then the rows of
         applier.change_commits of the transactions that wrote change rows, if any."""
         self._flush_feed()
         yield from self._emitter.statements(self._ops)
         if self._commit_lsns:
-            yield BatchStatement(None, commits_copy_sql(), [], [], 1,
-                                 commits_line(self._commit_slot, self._commit_lsns, self._end_lsns))
+            data, rows = commits_rows(self._commit_slot, self._commit_lsns, self._end_lsns)
+            yield BatchStatement(None, commits_copy_sql(), [], [], rows, data)

@@ -274,3 +274,22 @@ def test_partitions_are_sized_from_the_wal_rate_and_named_within_63_bytes() -> N
     assert len(long.encode()) <= 63 and long != layout.change_table_name("s" * 40, "t" * 41, "slot", set())
     assert layout.change_table_name("public", "t", "slot", {"public.t"}) != "public.t"
     assert len(layout.partition_name(change_table, 12345).encode()) <= 63
+
+
+def test_commit_rows_hold_at_most_commits_per_row_transactions_each() -> None:
+    """applier.change_commits: the transactions split into rows of COMMITS_PER_ROW in commit
+    order, each row's first and last commit LSN beside its arrays, every end LSN beside its
+    commit LSN."""
+    count = 2 * layout.COMMITS_PER_ROW + 8
+    lsns = [LSN(0xFFFF_F000 + 0x30 * i) for i in range(count)]  # across the 4GB line
+    data, rows = layout.commits_rows("s", b"".join(map(layout.lsn_element, lsns)),
+                                     b"".join(layout.lsn_element(LSN(lsn + 8)) for lsn in lsns))
+    lines = [line.split("\t") for line in data.decode().splitlines()]
+    assert rows == len(lines) == 3
+    commits = [c.strip("{}").split(",") for _, _, _, c, _ in lines]
+    ends = [e.strip("{}").split(",") for _, _, _, _, e in lines]
+    assert [len(c) for c in commits] == [layout.COMMITS_PER_ROW, layout.COMMITS_PER_ROW, 8]
+    assert [(first, last) for _, first, last, _, _ in lines] == [(c[0], c[-1]) for c in commits]
+    assert [LSN.parse(c) for row in commits for c in row] == lsns
+    assert [LSN.parse(e) for row in ends for e in row] == [LSN(lsn + 8) for lsn in lsns]
+    assert {slot for slot, *_ in lines} == {"s"}

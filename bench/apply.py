@@ -27,7 +27,8 @@ table here has the same built-in types on both sides), the native subscription f
 both through a Unix-domain socket with ``--unix-socket`` (README, "A source on the same host").
 
 ``--change-feed`` adds a drain of ours with ``--change-feed all``, printed as ``+feed`` with its
-time over our plain drain's: what recording every change in the change feed costs.
+time over our plain drain's: what recording every change in the change feed costs. With
+``--baseline`` too, the baseline's worker drains with it as well (``base+feed``).
 
 The modules: ``apply_workloads.py`` (settings, workloads, helpers), ``apply_measure.py`` (CPU and
 load from /proc), ``apply_drain.py`` (the drains and their tables), ``apply_sustained.py``.
@@ -134,7 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--change-feed", action="store_true",
                         help="one more contender, printed as '+feed': our worker with --change-feed "
                              "all (every table's changes also recorded in its change table), with its "
-                             "time over our plain drain's")
+                             "time over our plain drain's (and, with --baseline, the baseline's too, "
+                             "'base+feed')")
     parser.add_argument("--baseline", type=Path, metavar="DIR",
                         help="one more contender, printed as 'baseline': the applier of the checkout "
                              "in DIR (another commit, its C accelerators built in place with "

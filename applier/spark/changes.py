@@ -163,9 +163,9 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
 
 class _EndLsn:
     """Each change's ``change_end_lsn``: its source transaction's end LSN, as text, from
-    ``applier.change_commits`` (one row per transaction, joined by commit LSN outside the query of
-    the change rows, whose columns may have any name); NULL where the worker that recorded the
-    change kept no end LSNs (before bookkeeping revision 0007)."""
+    ``applier.change_commits`` (its arrays unnested, one entry per transaction, joined by commit
+    LSN outside the query of the change rows, whose columns may have any name); NULL where the
+    worker that recorded the change kept no end LSNs (before bookkeeping revision 0007)."""
 
     def __init__(self, snapshot: Snapshot, span: ChangeRange) -> None:
         self.snapshot = snapshot

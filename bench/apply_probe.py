@@ -13,6 +13,9 @@ per drain, and a fresh target database per drain with the same starting rows. Ea
 * ``pyspy``: the worker under ``py-spy record --idle --nonblocking`` (``--rate`` Hz), collapsed
   stacks summed by function;
 * ``strace``: the worker under ``strace -c -f`` (system calls counted and timed);
+* ``statements``: our worker with the target's ``pg_stat_statements`` on for its sessions (the
+  target server then loads the module, tracking nothing for any other drain), the statements
+  that took the most time summed up;
 * ``native`` / ``native-waits``: a native subscription, timed / with its apply worker's and
   walsender's wait events sampled.
 
@@ -40,7 +43,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +132,19 @@ def _wait(state: str | None, kind: str | None, event: str | None) -> str:
     return f"{kind}:{event}" + (" (idle)" if state == "idle" else "")
 
 
+def _statements(target: Database, top: int = 15) -> list[str]:
+    """The target statements of the drain that took the most time, from pg_stat_statements."""
+    rows = target.query(
+        "SELECT calls, total_exec_time, rows, regexp_replace(query, '\\s+', ' ', 'g') "
+        "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+        "WHERE datname = current_database()) ORDER BY total_exec_time DESC")
+    total = sum(float(r[1]) for r in rows)
+    lines = [f"pg_stat_statements: {total:.0f} ms in {sum(int(r[0]) for r in rows)} calls; the most:"]
+    lines += [f"  {float(ms):9.1f} ms {int(calls):7d} calls {int(n):9d} rows  {query[:110]}"
+              for calls, ms, n, query in rows[:top]]
+    return lines
+
+
 def _target_counters(target: Database) -> tuple[int, int | None]:
     """(commits in the target database, WAL fsyncs of the whole target server) so far."""
     with target.connect() as conn:
@@ -149,15 +165,20 @@ def _parse(variant: str) -> tuple[str, dict[str, str]]:
 
 
 def drain(variant: str, source: Database, target: Database, slot: str, work_mem: str, end_lsn: str,
-          tables: Sequence[str], interval: float, rate: int, out_dir: Path) -> Probe:
-    """One probed drain of ``slot`` into ``target``."""
+          tables: Sequence[str], interval: float, rate: int, out_dir: Path, marker: bool) -> Probe:
+    """One probed drain of ``slot`` into ``target`` (``marker``: the workload writes the marker row,
+    so the time its last row became visible is known; otherwise only until the slot is confirmed)."""
     kind, env = _parse(variant)
     probe = Probe(variant)
     native = kind.startswith("native")
     sampler = WaitSampler(source, target, slot, interval) if kind in ("waits", "native-waits") else None
     if not native:
         upgrade_schema(make_engine(target.dsn))
-    watch = DrainWatch(source, target, slot, end_lsn)
+    if kind == "statements":
+        target.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        target.execute("SELECT pg_stat_statements_reset()")
+        env["PGOPTIONS"] = f"{env.get('PGOPTIONS', '')} -c pg_stat_statements.track=top".strip()
+    watch = DrainWatch(source, target if marker else None, slot, end_lsn)
     time.sleep(1.5)  # the statistics of the set-up have been reported
     commits, fsyncs = _target_counters(target)
     cpu = (exited_cpu(source.cluster), exited_cpu(target.cluster))
@@ -210,7 +231,7 @@ def drain(variant: str, source: Database, target: Database, slot: str, work_mem:
         target.execute("ALTER SUBSCRIPTION probe SET (slot_name = NONE)")
         target.execute("DROP SUBSCRIPTION probe")
     probe.equal = same(source, target, tables)
-    probe.extra = _details(kind, out_dir)
+    probe.extra = _statements(target) if kind == "statements" else _details(kind, out_dir)
     return probe
 
 
@@ -265,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "the 4-client drain)")
     parser.add_argument("--variants", default="plain,waits,hooks,native,native-waits",
                         help="comma-separated drains of the same backlog, in order: plain, waits, "
-                             "hooks, pyspy, strace, native, native-waits; 'kind@NAME=value;...' "
+                             "hooks, pyspy, strace, statements, native, native-waits; "
+                             "'kind@NAME=value;...' "
                              "runs our worker with that environment (default "
                              "plain,waits,hooks,native,native-waits)")
     parser.add_argument("--interval", type=float, default=5.0,
@@ -287,7 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"starting PostgreSQL {args.pg_version} ({os.cpu_count()} cores; load average "
           f"{load_average()}) ...", flush=True)
     source_server: PostgresServer = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-probe-src")
-    target_server: PostgresServer = start_server(args.pg_version, TARGET_SETTINGS, name="bench-probe-tgt")
+    target_settings = TARGET_SETTINGS
+    if any(_parse(v)[0] == "statements" for v in variants):
+        target_settings = replace(TARGET_SETTINGS, values={
+            **TARGET_SETTINGS.values, "shared_preload_libraries": "pg_stat_statements",
+            "pg_stat_statements.track": "none"})
+    target_server: PostgresServer = start_server(args.pg_version, target_settings, name="bench-probe-tgt")
     probes: list[Probe] = []
     try:
         source = source_server.create_database("probe_src")
@@ -311,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out_dir.mkdir(parents=True, exist_ok=True)
             print(f"draining: {variant} (load average {load_average()}) ...", flush=True)
             probes.append(drain(variant, source, target, slot, workload.decoding_work_mem, end_lsn,
-                                tables, args.interval / 1000, args.rate, out_dir))
+                                tables, args.interval / 1000, args.rate, out_dir, workload.marker))
             target_server.drop_database(target.name)
             drop_applier_origins(target_server)
     finally:

@@ -958,6 +958,106 @@ static PyMethodDef lane_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* ---- Restamping spooled change rows ------------------------------------------------------------ */
+
+/* The end of the row at p (COPY binary tuple or text line) in [p, end), or NULL if cut short. */
+static const unsigned char *
+row_end(const unsigned char *p, const unsigned char *end, int binary)
+{
+    if (!binary) {
+        const unsigned char *nl = memchr(p, '\n', (size_t)(end - p));
+        return nl == NULL ? NULL : nl + 1;
+    }
+    if (end - p < 2)
+        return NULL;
+    Py_ssize_t fields = (Py_ssize_t)((p[0] << 8) | p[1]);
+    p += 2;
+    for (Py_ssize_t i = 0; i < fields; i++) {
+        if (end - p < 4)
+            return NULL;
+        uint32_t len = be32(p);
+        p += 4;
+        if (len == 0xFFFFFFFFu)
+            continue;
+        if ((Py_ssize_t)len > end - p)
+            return NULL;
+        p += len;
+    }
+    return p;
+}
+
+/* restamp(rows, binary, old, new) -> (rows, restamped): the change rows ``rows`` (COPY binary
+ * tuples without header and trailer, or text lines) with the meta prefix ``old`` replaced by
+ * ``new`` in each row that begins with it (in a binary tuple: after its field count, which
+ * stays), and how many did. A streamed transaction's rows, held back until its commit, get their
+ * commit LSN and time this way. */
+static PyObject *
+lane_restamp(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer rows, old, new;
+    int binary;
+    PyObject *result = NULL, *out_rows;
+    if (nargs != 4)
+        return PyErr_Format(PyExc_TypeError, "restamp(rows, binary, old, new)");
+    binary = PyObject_IsTrue(args[1]);
+    if (binary < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[0], &rows, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &old, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &new, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&old);
+        PyBuffer_Release(&rows);
+        return NULL;
+    }
+    const unsigned char *start = rows.buf, *end = start + rows.len, *p;
+    Py_ssize_t skip = binary ? 2 : 0, matched = 0;
+    for (p = start; p < end;) {  /* first pass: check the rows, count those to restamp */
+        const unsigned char *next = row_end(p, end, binary);
+        if (next == NULL) {
+            PyErr_SetString(PyExc_ValueError, "restamp: change rows cut short");
+            goto done;
+        }
+        if (next - p >= skip + old.len && memcmp(p + skip, old.buf, (size_t)old.len) == 0)
+            matched++;
+        p = next;
+    }
+    out_rows = PyBytes_FromStringAndSize(NULL, rows.len + matched * (new.len - old.len));
+    if (out_rows == NULL)
+        goto done;
+    char *out = PyBytes_AS_STRING(out_rows);
+    for (p = start; p < end;) {
+        const unsigned char *next = row_end(p, end, binary);
+        if (next - p >= skip + old.len && memcmp(p + skip, old.buf, (size_t)old.len) == 0) {
+            memcpy(out, p, (size_t)skip);
+            out += skip;
+            memcpy(out, new.buf, (size_t)new.len);
+            out += new.len;
+            p += skip + old.len;
+        }
+        memcpy(out, p, (size_t)(next - p));
+        out += next - p;
+        p = next;
+    }
+    result = Py_BuildValue("Nn", out_rows, matched);
+done:
+    PyBuffer_Release(&new);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&rows);
+    return result;
+}
+
+static PyMethodDef module_methods[] = {
+    {"restamp", (PyCFunction)(void (*)(void))lane_restamp, METH_FASTCALL,
+     "restamp(rows, binary, old, new)\n--\n\n(rows, restamped): change rows with the meta prefix "
+     "old replaced by new in each row that begins with it (binary tuples: after the field count), "
+     "and how many did."},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject LaneType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "applier.apply._lane.Lane",
@@ -974,7 +1074,7 @@ static PyTypeObject LaneType = {
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "applier.apply._lane",
     "C core of the lane: Begin/Insert/Update/Delete/Commit payloads into the batch's open runs.",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC

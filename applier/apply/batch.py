@@ -45,6 +45,7 @@ from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .batch_sql import (
     COPY,
+    COPY_MIN_ROWS,
     DELETE,
     DELETES,
     FEED_ROWS,
@@ -291,12 +292,13 @@ class Batch:
         self._ops.append(Op(DELETE, mapping, old, None,
                              (DELETE, relation_id, mapping.key_positions, True, True), meta=meta))
 
-    def statement(self, sql: str) -> None:
-        """A statement that must run in order and ends all folding (TRUNCATE, SAVEPOINT)."""
+    def statement(self, sql: str, savepoint: str | None = None) -> None:
+        """A statement that must run in order and ends all folding (TRUNCATE, SAVEPOINT: then
+        ``savepoint`` names it)."""
         self._flush_feed()
         self._last.clear()
         self._close_every_run()
-        self._ops.append(Op(SQL_TEXT, None, None, None, (SQL_TEXT, False), sql))
+        self._ops.append(Op(SQL_TEXT, None, None, None, (SQL_TEXT, False), sql, savepoint=savepoint))
 
     def add_commits(self, slot: str, commit_lsns: bytes, end_lsns: bytes) -> None:
         """Source transactions of ``slot`` that wrote change rows, in commit order: their commit
@@ -309,10 +311,13 @@ class Batch:
         """One source transaction of ``slot`` that wrote change rows (``add_commits``)."""
         self.add_commits(slot, lsn_element(commit_lsn), lsn_element(end_lsn))
 
-    def statements(self) -> Iterator[BatchStatement]:
+    def statements(self, change_rows_copy: bool = False) -> Iterator[BatchStatement]:
         """The batch as statements (``batch_sql.Emitter.statements``), then the rows of
-        applier.change_commits of the transactions that wrote change rows, if any."""
+        applier.change_commits of the transactions that wrote change rows, if any.
+        ``change_rows_copy``: change rows written from the values the source sent go as COPYs
+        however few (the feed's spool holds them back: no round trip is saved by INSERTs)."""
         self._flush_feed()
+        self._emitter.change_rows_copy_min = 1 if change_rows_copy else COPY_MIN_ROWS
         yield from self._emitter.statements(self._ops)
         if self._commit_lsns:
             data, rows = commits_rows(self._commit_slot, self._commit_lsns, self._end_lsns)

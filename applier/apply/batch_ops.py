@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..progress.feed import ChangeTable
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
 from .feed import Meta
 from .mapping import RelationMapping
 
-__all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",
+__all__ = ["BatchStatement", "COPY", "ChangeRowsCopy", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",
            "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",
            "chunks", "collect", "every_column", "in_format", "present_columns"]
 
@@ -44,6 +45,7 @@ class Op:
     sql: str = ""                  # SQL_TEXT ops: a statement sent as is (TRUNCATE)
     run: Run | KeyRun | FeedRows | None = None  # COPY, UPDATES, DELETES, FEED_ROWS ops: the run
     meta: Meta | None = None       # a table the change feed records: the change's meta
+    savepoint: str | None = None   # SQL_TEXT ops that make a savepoint: its name (quoted)
 
 
 @dataclass(slots=True)
@@ -53,6 +55,14 @@ class FeedRows:
 
     mapping: RelationMapping
     rows: list[tuple[Meta, str, TupleData]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ChangeRowsCopy:
+    """What a COPY of change rows writes: the change table, and whether its data is binary."""
+
+    change_table: ChangeTable
+    binary: bool
 
 
 @dataclass(slots=True)
@@ -65,6 +75,8 @@ class BatchStatement:
     formats: list[int]
     expected_rows: int | None
     copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its data (text or binary)
+    change_rows: ChangeRowsCopy | None = None   # a COPY of change rows (feed_spool may hold it)
+    savepoint: str | None = None   # the statement makes this savepoint (its name, quoted)
 
 
 _ALL_COLUMNS: dict[int, tuple[int, ...]] = {}

@@ -59,6 +59,8 @@ class Emitter:
         # count differs.
         self._guard = guard
         self._sql: dict[tuple, str] = {}     # (shape, rows) -> statement text
+        #: Change rows from this many on go as one COPY (1: every one, the spool holding them).
+        self.change_rows_copy_min = COPY_MIN_ROWS
 
     def forget(self, relation_id: int) -> None:
         """A relation's definition changed: drop the SQL derived from the old one."""
@@ -123,7 +125,7 @@ class Emitter:
     def _emit(self, run: list[Op]) -> Iterator[BatchStatement]:
         first = run[0]
         if first.kind == SQL_TEXT:
-            yield BatchStatement(None, first.sql, [], [], None)
+            yield BatchStatement(None, first.sql, [], [], None, savepoint=first.savepoint)
             return
         if first.kind == COPY:
             copy_run: Run = first.run  # type: ignore[assignment]
@@ -148,7 +150,8 @@ class Emitter:
             yield from self._run_feed(first.mapping, key_run)
             return
         if first.kind == FEED_ROWS:
-            yield from feed_sql.feed_rows(first.run, self._sql)  # type: ignore[arg-type]
+            yield from feed_sql.feed_rows(first.run, self._sql,  # type: ignore[arg-type]
+                                          self.change_rows_copy_min)
             return
         if first.kind == MOVED:
             yield feed_sql.moved(first, self._sql)
@@ -170,7 +173,8 @@ class Emitter:
         """The change rows the lane kept in a recorded table's run."""
         if mapping.feed is None or run.feed is None or not run.feed_rows:
             return []
-        return feed_sql.run_rows(mapping, run.feed, run.feed_rows, run.binary, self._sql)
+        return feed_sql.run_rows(mapping, run.feed, run.feed_rows, run.binary, self._sql,
+                                 self.change_rows_copy_min)
 
     def _by_key(self, op: Op) -> Iterator[BatchStatement]:
         """A KeyRun as multi-row UPDATEs or DELETEs by key, shaped (and so prepared) as the

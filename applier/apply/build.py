@@ -12,6 +12,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..progress.feed import ChangeTable
 from ..progress.postgres import PostgresApplyStore
@@ -23,7 +24,9 @@ from .ddl import DDL_REFUSED
 from .dispatch import Applier
 from .fastpath import BatchLimits
 from .feed import FeedWriter
+from .feed_spool import FeedSpool
 from .handlers import build_handlers, tag_with_origin
+from .lane import core
 from .mapping import TargetTable
 from .relations import RelationCache
 from .streaming import LOCK_TIMEOUT
@@ -85,11 +88,13 @@ def main_applier(session: TargetSession, options: ApplyOptions,
 
 def second_applier(main: Applier, session: TargetSession,
                    reflect: Callable[[str, str], TargetTable],
-                   store: ApplyStore | None = None) -> Applier:
+                   store: ApplyStore | None = None, spill_dir: Path | None = None) -> Applier:
     """The applier of a second session of the same worker, for one streamed transaction at a
     time applied as it streams: the same store shape and conflict detection, a batch that only
     the Stream Commit commits (parts still go ahead), and ``lock_timeout`` (see ``streaming``).
-    ``store``: the session's bookkeeping store (default: the PostgreSQL one on ``session``)."""
+    ``store``: the session's bookkeeping store (default: the PostgreSQL one on ``session``);
+    ``spill_dir``: where the change feed holds the transaction's change rows until its commit
+    (``feed_spool``; the system's temporary directory if None)."""
     assert main.fast is not None
     session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
     tag = main.handlers.origins.tag
@@ -99,7 +104,10 @@ def second_applier(main: Applier, session: TargetSession,
     tx = TargetTransaction(session, store, main.tx.applied, main.tx.on_commit,
                            track_target_lsn=main.tx.track_target_lsn)
     if main.tx.feed is not None:
-        tx.feed = FeedWriter(tx, main.tx.feed.tables, main.tx.feed.interval, main.tx.feed.slot)
+        lane_core = core()  # restamps the held rows; without it they go as PENDING and move
+        spool = None if lane_core is None else FeedSpool(lane_core.restamp, spill_dir)
+        tx.feed = FeedWriter(tx, main.tx.feed.tables, main.tx.feed.interval, main.tx.feed.slot,
+                             spool)
     # A schema change here would hold the table's lock until the Stream Commit while the main
     # session waits for it: such a transaction is applied at its commit instead.
     tx.schema_changes = DDL_REFUSED

@@ -113,6 +113,13 @@ def copy_binary_data(tuples: bytes | bytearray) -> bytes:
     return b"".join((_BINARY_HEADER, tuples, _BINARY_TRAILER))
 
 
+def copy_binary_tuples(data: bytes | bytearray) -> bytes:
+    """The tuples of whole COPY binary data (``copy_binary_data``'s inverse)."""
+    if not (data.startswith(_BINARY_HEADER) and data.endswith(_BINARY_TRAILER)):
+        raise ValueError("not COPY binary data with its header and trailer")
+    return bytes(data[len(_BINARY_HEADER):len(data) - len(_BINARY_TRAILER)])
+
+
 def _accelerated() -> Callable[[list[Row]], bytes] | None:
     speedups = accelerator("protocol._speedups")
     return None if speedups is None else speedups.copy_text

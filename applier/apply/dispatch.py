@@ -226,7 +226,11 @@ class Applier:
         tx.pending["transactions"] += 1
         feed = tx.feed
         if feed is not None:
-            # Rows written before the commit was known (applied as it streamed) move to it.
+            # Change rows held back while it streamed are written with its commit LSN; those
+            # written before the commit was known move to it.
+            for held in feed.spooled(txn.commit_lsn, txn.commit_time):
+                assert self.fast is not None  # only the fast path holds change rows back
+                self.fast.send_copy(held.copy_sql, held.data, held.rows)
             for fix in feed.fix_pending(txn.commit_lsn, txn.commit_time):
                 if self._fast:
                     assert self.fast is not None

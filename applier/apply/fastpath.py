@@ -199,7 +199,18 @@ class FastPath:
             raise self._failed(exc, self.last) from exc
 
     def _emit(self, pipeline: Pipeline) -> None:
-        for statement in self.batch.statements():
+        feed = self.tx.feed
+        spool = feed.spool if feed is not None else None
+        hold = feed is not None and feed.holds_back()
+        for statement in self.batch.statements(change_rows_copy=hold):
+            if spool is not None:
+                if hold and statement.change_rows is not None and statement.copy_data is not None:
+                    assert statement.expected_rows is not None
+                    spool.add(statement.change_rows.change_table, statement.sql, statement.copy_data,
+                              statement.expected_rows, statement.change_rows.binary)
+                    continue
+                if statement.savepoint is not None:
+                    spool.mark(statement.savepoint)
             if statement.copy_data is not None:
                 log.debug("%s: %d rows", statement.sql, statement.expected_rows)
                 pipeline.copy(statement.sql, statement.copy_data, statement.expected_rows)
@@ -251,12 +262,30 @@ class FastPath:
     def savepoint(self, name: str) -> None:
         """A savepoint (``name`` quoted) in the open target transaction, in order with the
         changes around it: it is sent with them, and no change is folded across it."""
-        self.batch.statement(f"SAVEPOINT {name}")
+        self.batch.statement(f"SAVEPOINT {name}", savepoint=name)
 
     def rollback_to_savepoint(self, name: str) -> None:
-        """Undo every change since the savepoint ``name`` (quoted)."""
+        """Undo every change since the savepoint ``name`` (quoted), the change rows the feed's
+        spool holds included."""
         self.send_part()  # the savepoint itself may still be in the batch
         self.tx.sql(f"ROLLBACK TO SAVEPOINT {name}")
+        if self.tx.feed is not None and self.tx.feed.spool is not None:
+            self.tx.feed.spool.rollback_to(name)
+
+    def send_copy(self, sql: str, data: bytes, rows: int) -> None:
+        """Send one COPY (the change rows the feed's spool held, at the commit) after what the
+        batch holds, its outcome read as a part's (``send_part``)."""
+        self.send_part()
+        self.settle()
+        pipeline = self.tx.session.pipeline().open()
+        try:
+            pipeline.copy(sql, data, rows)
+            pipeline.send_sync()
+        except (RowCountMismatch, PipelineError) as exc:
+            pipeline.abandon()
+            raise self._failed(exc, self.last) from exc
+        self._in_flight = pipeline
+        self.tx.session.pending = self.settle
 
     # -- the lane ------------------------------------------------------------------------------------
     def room(self, whole: bool, after: LSN) -> LaneRoom | None:

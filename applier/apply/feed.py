@@ -18,7 +18,10 @@ Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.fee
   (``WITH ... RETURNING`` the whole new row, unchanged TOAST values included, or the whole old
   one); the delete row of an update that moved a row to another key; truncate markers;
 * whether the source transaction being applied wrote change rows, so that its commit and end LSN
-  go to ``applier.change_commits`` (``wrote_rows``; ``commit_sql`` outside the fast path).
+  go to ``applier.change_commits`` (``wrote_rows``; ``commit_sql`` outside the fast path);
+* in the early session, the spool (``feed_spool``) that holds the COPYs of change rows of the
+  transaction applied as it streams until its commit (``holds_back``, ``spooled``), so that they
+  are written once, with the commit LSN, instead of as ``PENDING`` and then moved.
 
 The fast path builds its change rows itself (``feed_sql``). Must never decide what is applied
 or when a transaction begins or ends.
@@ -27,9 +30,9 @@ or when a transaction begins or ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from psycopg import pq, sql
 
@@ -43,7 +46,11 @@ from .ddl import after_ddl, before_ddl
 from .mapping import RelationMapping
 from .statements import Statement, named, placeholder
 
-__all__ = ["META", "FeedWriter", "Meta", "Stamp", "binary_meta", "moved_key", "text_meta"]
+if TYPE_CHECKING:
+    from .feed_spool import FeedSpool, Spooled
+
+__all__ = ["META", "FeedWriter", "Meta", "Stamp", "binary_meta", "meta_prefix", "moved_key",
+           "text_meta"]
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +130,12 @@ class FeedSession(Protocol):
 
 class FeedWriter:
     def __init__(self, tx: FeedSession, tables: dict[TableName, ChangeTable],
-                 interval: float, slot: str) -> None:
+                 interval: float, slot: str, spool: FeedSpool | None = None) -> None:
         self.tx = tx
         self.tables = tables
         self.slot = slot
+        #: The early session's: change rows of the transaction applied as it streams wait here.
+        self.spool = spool
         #: Seconds of WAL a new partition is sized for (a seventh of the retention).
         self.interval = interval
         self._stamp: Stamp | None = None
@@ -230,6 +239,28 @@ class FeedWriter:
                                                  stamp.xid, seq))
         return markers
 
+    # -- the spool (the early session) ---------------------------------------------------------------
+    def holds_back(self) -> bool:
+        """COPYs of change rows sent now wait in the spool until the open transaction's commit:
+        it is applied as it streams (its commit LSN not known yet; never one prepared on the
+        target, whose rows must be there before PREPARE TRANSACTION)."""
+        current = self.tx.current
+        return (self.spool is not None and current is not None and current.commit_lsn == PENDING
+                and self._deferred is not current)
+
+    def spooled(self, commit_lsn: LSN, commit_time: datetime) -> Iterator[Spooled]:
+        """The COPYs the spool held for the transaction being applied, committing at
+        ``commit_lsn``, with that LSN and time; each change table has its partition for it."""
+        spool = self.spool
+        if not spool:
+            return
+        assert spool is not None
+        for change_table in sorted(spool.tables(), key=lambda t: t.id):
+            if commit_lsn >= change_table.newest.to_lsn:
+                self._partition(change_table, commit_lsn)
+        pending = self.stamp()
+        yield from spool.restamped(pending, Stamp(commit_lsn, commit_time, pending.xid, False))
+
     # -- commits ----------------------------------------------------------------------------------
     def wrote_rows(self) -> bool:
         """The transaction being applied wrote change rows (the lane's included)."""
@@ -311,6 +342,8 @@ class FeedWriter:
                  part.name, part.from_lsn, part.to_lsn)
 
     def _ended(self, committed: bool) -> None:
+        if self.spool is not None:
+            self.spool.clear()
         undo, self._undo = self._undo, []
         if not committed:
             for step in reversed(undo):
@@ -326,6 +359,16 @@ def _restore(columns: dict[str, str], before: dict[str, str]) -> None:
 
 def _put_back(change_table: ChangeTable, newest: Partition, count: int) -> None:
     change_table.newest, change_table.partitions = newest, count
+
+
+def meta_prefix(stamp: Stamp, binary: bool) -> bytes:
+    """How each change row of ``stamp``'s transaction begins, as the lane and ``feed_sql`` write
+    it: its commit LSN, time and xid as COPY text fields, or as binary fields (after the tuple's
+    field count)."""
+    if binary:
+        return b"".join(b"\xff\xff\xff\xff" if value is None else len(value).to_bytes(4, "big") + value
+                        for value in stamp.binary)
+    return b"".join((b"\\N" if value is None else value) + b"\t" for value in stamp.text)
 
 
 def binary_meta(meta: Meta) -> tuple[bytes | None, ...]:

@@ -27,7 +27,17 @@ from psycopg import sql
 from ..progress import feed as layout
 from ..progress.feed import META_TYPES
 from ..protocol.messages import KIND_BINARY
-from .batch_ops import COPY_MIN_ROWS, FORMATS, UPDATE, BatchStatement, FeedRows, Op, chunks, collect
+from .batch_ops import (
+    COPY_MIN_ROWS,
+    FORMATS,
+    UPDATE,
+    BatchStatement,
+    ChangeRowsCopy,
+    FeedRows,
+    Op,
+    chunks,
+    collect,
+)
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_text, copy_text_rows
 from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
@@ -78,9 +88,9 @@ def rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int) ->
                                          sql.SQL(", ").join(groups)).as_string()
 
 
-def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
+def feed_rows(rows: FeedRows, cache: dict[tuple, str], copy_min: int = COPY_MIN_ROWS) -> list[BatchStatement]:
     """Change rows written from the values the source sent, every column of each: a COPY per
-    value format from COPY_MIN_ROWS rows on, else multi-row INSERTs."""
+    value format from ``copy_min`` rows on, else multi-row INSERTs."""
     mapping = rows.mapping
     change_table = mapping.feed
     assert change_table is not None
@@ -89,7 +99,7 @@ def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
     text = [r for r in rows.rows if KIND_BINARY not in r[2].kinds] if binary else rows.rows
     columns = [c.name for c in mapping.target_columns]
     for group, is_binary in ((text, False), (binary, True)):
-        if len(group) >= COPY_MIN_ROWS:
+        if len(group) >= copy_min:
             if is_binary:
                 data = copy_binary_data(copy_binary([(*binary_meta(meta), op.encode(), *row.values)  # type: ignore[arg-type]
                                                      for meta, op, row in group]))
@@ -97,7 +107,8 @@ def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
                 data = copy_text([(*text_meta(meta), op.encode(), *row.values)  # type: ignore[arg-type]
                                   for meta, op, row in group])
             statements.append(BatchStatement(None, layout.copy_sql(change_table, columns, is_binary),
-                                             [], [], len(group), data))
+                                             [], [], len(group), data,
+                                             ChangeRowsCopy(change_table, is_binary)))
             continue
         statements.extend(_inserts(mapping, [
             ([*text_meta(meta), op.encode(), *row.values],  # type: ignore[list-item]
@@ -106,15 +117,16 @@ def feed_rows(rows: FeedRows, cache: dict[tuple, str]) -> list[BatchStatement]:
 
 
 def run_rows(mapping: RelationMapping, data: bytes | bytearray, rows: int, binary: bool,
-             cache: dict[tuple, str]) -> list[BatchStatement]:
+             cache: dict[tuple, str], copy_min: int = COPY_MIN_ROWS) -> list[BatchStatement]:
     """The change rows the lane kept in a run (COPY text lines or binary tuples, each its meta
-    then every column): one COPY from COPY_MIN_ROWS rows on, else multi-row INSERTs."""
+    then every column): one COPY from ``copy_min`` rows on, else multi-row INSERTs."""
     change_table = mapping.feed
     assert change_table is not None
-    if rows >= COPY_MIN_ROWS:
+    if rows >= copy_min:
         columns = [c.name for c in mapping.target_columns]
         return [BatchStatement(None, layout.copy_sql(change_table, columns, binary), [], [], rows,
-                               copy_binary_data(data) if binary else data)]
+                               copy_binary_data(data) if binary else data,
+                               ChangeRowsCopy(change_table, binary))]
     values = copy_binary_rows(data) if binary else copy_text_rows(data)
     return _inserts(mapping, [(list(row), [int(binary)] * len(row)) for row in values], cache)
 

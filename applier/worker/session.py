@@ -129,7 +129,8 @@ class ReplicationSession:
             if settings.streamed_apply == "early" and options.streaming != "off":
                 main = applier
                 early = StreamingApply(
-                    main, lambda: second_applier(main, self._target_session("streamed"), reflector),
+                    main, lambda: second_applier(main, self._target_session("streamed"), reflector,
+                                               spill_dir=self.spill_dir),
                     state.refused_early)
             assembler = Assembler(applier, memory_budget=settings.memory_budget,
                                   spill_dir=self.spill_dir, heartbeat=stream.send_status_if_due,

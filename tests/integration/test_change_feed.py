@@ -190,6 +190,29 @@ def test_streamed_transactions_with_aborted_subtransactions(source_db, target_db
     assert ops(found["pk_t"]) == {"I": 2000, "U": 501, "D": 100}
     assert target_db.query(f"SELECT count(*) FROM {change_table('pk_t')} WHERE change_commit_lsn = "
                            f"'{PENDING}'") == [(0,)]
+    # Applied as it streamed, the transaction's COPYs of change rows were held back until its
+    # commit and written once, with its commit LSN: only its deletes (recorded from the target's
+    # old rows) went through the pending partition. Applied at its commit, nothing did.
+    inserted = _pending_rows_inserted(target_db, "pk_t")
+    if streamed_apply == "early":
+        assert inserted == 100, inserted  # its 100 deletes
+    else:
+        assert inserted == 0
+
+
+def _pending_rows_inserted(target_db, table: str) -> int:
+    """Rows ever inserted into the pending partition of ``table``'s change table (the statistics
+    of the worker's sessions, reported as they exit)."""
+    query = ("SELECT coalesce(sum(n_tup_ins), 0) FROM pg_stat_user_tables WHERE schemaname = "
+             f"'applier_changes' AND relname LIKE '%.pending:public.{table}'")
+    deadline = time.monotonic() + 10
+    with target_db.connect() as conn:
+        while True:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            inserted = int(conn.execute(query).fetchone()[0])
+            if inserted or time.monotonic() > deadline:
+                return inserted
+            time.sleep(0.2)
 
 
 @pytest.mark.parametrize("mode", ["prepare", "defer"])

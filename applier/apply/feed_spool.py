@@ -32,7 +32,7 @@ __all__ = ["FeedSpool", "Restamp", "Spooled"]
 #: ``_lane.restamp(rows, binary, old, new) -> (rows, restamped)``.
 Restamp = Callable[[bytes, bool, bytes, bytes], tuple[bytes, int]]
 #: Held-back COPYs of one statement are merged into one of at most this many bytes at the commit.
-MERGE_BYTES = 8 << 20
+MERGE_BYTES = 2 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,15 +6,13 @@ count, so the fast path's checks still hold:
 
 * change rows written from the values the source sent (``FeedRows``: inserts, updates of every
   column, old keys of moved rows), each after its meta: one COPY per table and value format from
-  ``COPY_MIN_ROWS`` rows on (from one row on while ``feed_spool`` holds them back), else
-  multi-row INSERTs; likewise the change rows the lane kept in a
+  ``COPY_MIN_ROWS`` rows on, else multi-row INSERTs; likewise the change rows the lane kept in a
   run (``run_rows``: COPY data already, meta included);
 * updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
   FROM (VALUES ...)`` (or ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from
   its VALUES row and the whole new (or old) row, ``INSERT INTO <change table> SELECT ... FROM c``,
   whose row count is the data's; single-row statements (REPLICA IDENTITY FULL) wrapped the same
-  way, the meta as parameters. The lane's run of deletes goes as one such statement whose keys
-  and meta are arrays (``DELETE FROM t USING unnest($1::int[], ...)``, ``arrays``).
+  way, the meta as parameters.
 
 Must never record, fold or send anything (``batch`` records, ``batch_sql`` turns runs into
 statements and calls this, the pipeline sends).
@@ -29,7 +27,6 @@ from psycopg import sql
 from ..progress import feed as layout
 from ..progress.feed import META_TYPES
 from ..protocol.messages import KIND_BINARY
-from .arrays import binary_array, text_array
 from .batch_ops import (
     COPY_MIN_ROWS,
     FORMATS,
@@ -51,8 +48,6 @@ __all__ = ["META_PARAMS", "feed_rows", "run_rows", "run_deletes", "rows_sql", "u
 
 #: Parameters of a change row's meta (commit LSN, time, xid, order; the op is a literal).
 META_PARAMS = 4
-#: Their types' OIDs (pg_lsn, timestamptz, int8, int8), which binary arrays of them name.
-_META_OIDS = (3220, 1184, 20, 20)
 
 
 def _meta(number: int) -> list[sql.Composable]:
@@ -139,24 +134,10 @@ def run_rows(mapping: RelationMapping, data: bytes | bytearray, rows: int, binar
 def run_deletes(mapping: RelationMapping, data: bytes | bytearray, rows: int, binary: bool,
                 cache: dict[tuple, str]) -> list[BatchStatement]:
     """The deletes the lane kept as change rows in a run (meta, then the key's columns): deleted
-    by key and recorded from the target's old rows, as ``recorded`` does for the ordinary path's.
-    One statement takes the run's keys and meta as arrays (binary ones need the key types' OIDs;
-    without them, multi-row statements take them as rows of parameters): a third less of the
-    target's time than the rows of parameters, which it must bind and plan one by one."""
+    by key and recorded from the target's old rows, as ``recorded`` does for the ordinary path's."""
     keys = mapping.key_positions
     changes = copy_binary_rows(data) if binary else copy_text_rows(data)
     assert len(changes) == rows
-    oids = [mapping.target_columns[i].type_oid for i in keys] + list(_META_OIDS)
-    if not binary or 0 not in oids:
-        columns = [[change[META_PARAMS + 1 + i] for change in changes] for i in keys]
-        columns += [[change[m] for change in changes] for m in range(META_PARAMS)]
-        arrays: list[bytes | None] = [binary_array(oid, values) if binary else text_array(values)
-                                      for oid, values in zip(oids, columns)]
-        any_rows: tuple = (("feed deletes", mapping.relation.relation_id), None)
-        text = cache.get(any_rows)
-        if text is None:
-            text = cache[any_rows] = delete_rows_sql(mapping, keys, None)
-        return [BatchStatement(any_rows, text, arrays, [int(binary)] * len(arrays), rows)]
     statements = []
     for position, size in chunks(rows, len(keys) + META_PARAMS):
         values: list[bytes | None] = []
@@ -214,10 +195,9 @@ def update_rows_sql(mapping: RelationMapping, assigned: tuple[int, ...],
     return layout.wrap_sql(change_table, data, columns, "U")
 
 
-def delete_rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int | None) -> str:
+def delete_rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> str:
     """``rows`` deletes by key recording the whole old rows; parameters per row: the key values,
-    the four meta values. ``rows`` None: any number of rows, each of those parameters an array
-    of every row's values."""
+    the four meta values."""
     change_table = mapping.feed
     assert change_table is not None
     aliases = [sql.SQL(f"v{n}") for n in range(len(positions))]
@@ -225,14 +205,8 @@ def delete_rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: 
     where = sql.SQL(" AND ").join(sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[n])
                                   for n, i in enumerate(positions))
     columns = [c.name for c in mapping.target_columns]
-    if rows is None:
-        types = [*(mapping.target_columns[i].type_sql for i in positions), *META_TYPES[:META_PARAMS]]
-        source = sql.SQL("unnest({})").format(sql.SQL(", ").join(
-            sql.SQL("${}::{}[]").format(sql.SQL(str(n)), sql.SQL(kind)) for n, kind in enumerate(types, 1)))
-    else:
-        source = sql.SQL("(VALUES {})").format(_values(mapping, positions, rows))
-    data = sql.SQL("DELETE FROM {} AS t USING {} AS v({}) WHERE {}{}").format(
-        table(mapping), source,
+    data = sql.SQL("DELETE FROM {} AS t USING (VALUES {}) AS v({}) WHERE {}{}").format(
+        table(mapping), _values(mapping, positions, rows),
         sql.SQL(", ").join([*aliases, *metas]), where,
         layout.returning([sql.SQL(f"v.m{n}") for n in range(META_PARAMS)], columns, "t"))
     return layout.wrap_sql(change_table, data, columns, "D")

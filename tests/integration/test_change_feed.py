@@ -46,7 +46,7 @@ WORKLOAD = [
     "UPDATE idx_t SET v = 'updated' WHERE k1 = 1",
     "UPDATE idx_t SET k2 = 'moved' WHERE k1 = 2",
     "DELETE FROM idx_t WHERE k1 = 3",
-    # Keys that text arrays must quote, deleted in one statement.
+    # Text keys with quotes, a backslash, braces and commas, deleted in one statement.
     "INSERT INTO idx_t VALUES (50, 'q\"uote', 'v'), (50, 'back\\slash', 'v'), (50, '{brace,comma}', 'v'), "
     "(50, 'NULL', 'v'), (50, ' spaced ', 'v')",
     "DELETE FROM idx_t WHERE k1 = 50",

@@ -6,7 +6,8 @@ count, so the fast path's checks still hold:
 
 * change rows written from the values the source sent (``FeedRows``: inserts, updates of every
   column, old keys of moved rows), each after its meta: one COPY per table and value format from
-  ``COPY_MIN_ROWS`` rows on, else multi-row INSERTs; likewise the change rows the lane kept in a
+  ``COPY_MIN_ROWS`` rows on (from one row on while ``feed_spool`` holds them back), else
+  multi-row INSERTs; likewise the change rows the lane kept in a
   run (``run_rows``: COPY data already, meta included);
 * updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
   FROM (VALUES ...)`` (or ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from

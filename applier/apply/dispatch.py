@@ -228,6 +228,9 @@ class Applier:
         if feed is not None:
             # Change rows held back while it streamed are written with its commit LSN; those
             # written before the commit was known move to it.
+            if self._fast and feed.holds_back():
+                assert self.fast is not None
+                self.fast.send_part()  # the batch's last change rows join the held ones
             for held in feed.spooled(txn.commit_lsn, txn.commit_time):
                 assert self.fast is not None  # only the fast path holds change rows back
                 self.fast.send_copy(held.copy_sql, held.data, held.rows)

@@ -101,30 +101,35 @@ class FeedSpool:
 
     def restamped(self, pending: Stamp, commit: Stamp) -> Iterator[Spooled]:
         """The held COPYs, consecutive ones of one statement merged, each row's meta prefix
-        (``feed.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one; then
-        nothing is held any more."""
-        file = self._file
-        held, self._held = self._held, []
-        index = 0
-        while index < len(held):
-            first = held[index]
-            end = index + 1
-            while (end < len(held) and held[end].copy_sql == first.copy_sql
-                   and held[end].offset - first.offset + held[end].length <= MERGE_BYTES):
-                end += 1
-            assert file is not None
-            file.seek(first.offset)
-            body = file.read(held[end - 1].offset + held[end - 1].length - first.offset)
-            rows = sum(h.rows for h in held[index:end])
-            data, restamped = self._restamp(body, first.binary, meta_prefix(pending, first.binary),
-                                            meta_prefix(commit, first.binary))
-            if restamped != rows:  # every row held is the open transaction's: a defect if not
-                raise ApplyError(f"change feed: {rows - restamped} of {rows} change rows held back for "
-                                 f"xid {pending.xid} do not carry its pending stamp", cause=Cause.PROTOCOL)
-            yield Spooled(first.change_table, first.copy_sql,
-                          copy_binary_data(data) if first.binary else data, rows)
-            index = end
+        (``feed.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one, those
+        held while this runs too (sending one sends the batch's last rows first); then nothing
+        is held any more."""
+        while self._held:
+            held, self._held = self._held, []
+            index = 0
+            while index < len(held):
+                end = index + 1
+                while (end < len(held) and held[end].copy_sql == held[index].copy_sql
+                       and held[end].offset + held[end].length - held[index].offset <= MERGE_BYTES):
+                    end += 1
+                yield self._read(held[index:end], pending, commit)
+                index = end
         self.clear()
+
+    def _read(self, held: list[_Held], pending: Stamp, commit: Stamp) -> Spooled:
+        """Consecutive held COPYs of one statement as one, restamped."""
+        first, last = held[0], held[-1]
+        assert self._file is not None
+        self._file.seek(first.offset)
+        body = self._file.read(last.offset + last.length - first.offset)
+        rows = sum(h.rows for h in held)
+        data, restamped = self._restamp(body, first.binary, meta_prefix(pending, first.binary),
+                                        meta_prefix(commit, first.binary))
+        if restamped != rows:  # every row held is the open transaction's: a defect if not
+            raise ApplyError(f"change feed: {rows - restamped} of {rows} change rows held back for "
+                             f"xid {pending.xid} do not carry its pending stamp", cause=Cause.PROTOCOL)
+        return Spooled(first.change_table, first.copy_sql,
+                       copy_binary_data(data) if first.binary else data, rows)
 
     def clear(self) -> None:
         self._held.clear()

@@ -98,6 +98,21 @@ def test_statements_differ_or_grow_past_the_merge_size_in_separate_copies(tmp_pa
     assert sent[2].data == _binary(_rows(COMMIT_STAMP, 2, 2))
 
 
+def test_rows_held_while_the_held_ones_are_sent_are_sent_too(tmp_path: Path) -> None:
+    """Sending a held COPY first sends what the batch still has: its change rows join the spool
+    while it is being read, and must not be lost."""
+    spool, table = _spool(tmp_path), _change_table()
+    spool.add(table, "COPY t", _text(_rows(PENDING_STAMP, 1, 2)), 2, False)
+    sent = []
+    for copy in spool.restamped(PENDING_STAMP, COMMIT_STAMP):
+        sent.append(copy)
+        if len(sent) == 1:
+            spool.add(table, "COPY t", _text(_rows(PENDING_STAMP, 3, 4)), 4, False)
+    assert [(s.copy_sql, s.rows) for s in sent] == [("COPY t", 2), ("COPY t", 4)]
+    assert b"".join(s.data for s in sent) == _text(_rows(COMMIT_STAMP, 1, 6))
+    assert not spool
+
+
 def test_a_held_row_without_the_pending_stamp_stops_the_commit(tmp_path: Path) -> None:
     spool, table = _spool(tmp_path), _change_table()
     other_transaction = Stamp(PENDING, None, XID + 1, True)

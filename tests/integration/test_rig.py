@@ -44,8 +44,9 @@ def test_server_does_not_run_as_root(source_db, target_db) -> None:
     for db in (source_db, target_db):
         assert db.query("SELECT current_user")[0][0] == "postgres"
         if isinstance(db.cluster, LocalCluster):  # a container's processes are not ours to see
-            pid = db.query("SELECT pg_backend_pid()")[0][0]
-            assert os.stat(f"/proc/{pid}").st_uid != 0
+            with db.connect() as conn:  # the backend exits with its connection
+                pid = conn.execute("SELECT pg_backend_pid()").fetchone()[0]
+                assert os.stat(f"/proc/{pid}").st_uid != 0
 
 
 def test_fresh_databases_are_isolated(pg_pair, source_db, target_db) -> None:

@@ -255,11 +255,11 @@ class FeedWriter:
         if not spool:
             return
         assert spool is not None
-        for change_table in sorted(spool.tables(), key=lambda t: t.id):
-            if commit_lsn >= change_table.newest.to_lsn:
-                self._partition(change_table, commit_lsn)
         pending = self.stamp()
-        yield from spool.restamped(pending, Stamp(commit_lsn, commit_time, pending.xid, False))
+        for held in spool.restamped(pending, Stamp(commit_lsn, commit_time, pending.xid, False)):
+            if commit_lsn >= held.change_table.newest.to_lsn:
+                self._partition(held.change_table, commit_lsn)
+            yield held
 
     # -- commits ----------------------------------------------------------------------------------
     def wrote_rows(self) -> bool:

@@ -67,9 +67,6 @@ class FeedSpool:
     def __bool__(self) -> bool:
         return bool(self._held)
 
-    def tables(self) -> set[ChangeTable]:
-        return {held.change_table for held in self._held}
-
     def add(self, change_table: ChangeTable, copy_sql: str, data: bytes | bytearray, rows: int,
             binary: bool) -> None:
         """Hold back a COPY of change rows (``data`` as the COPY would have sent it)."""

@@ -58,7 +58,7 @@ def test_held_rows_come_back_once_with_the_commit_stamp_and_merged(tmp_path: Pat
     first, second = _rows(PENDING_STAMP, 1, 300), _rows(PENDING_STAMP, 301, 250, b"U")
     spool.add(table, "COPY one", encode(first), 300, binary)
     spool.add(table, "COPY one", encode(second), 250, binary)
-    assert spool and spool.tables() == {table}
+    assert spool
     sent = list(spool.restamped(PENDING_STAMP, COMMIT_STAMP))
     # One COPY of both, exactly the rows a transaction whose commit was known would have sent.
     assert [(s.copy_sql, s.rows, s.change_table) for s in sent] == [("COPY one", 550, table)]

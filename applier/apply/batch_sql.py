@@ -42,7 +42,17 @@ from .batch_ops import (
 )
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_sql, copy_text, copy_text_rows
 from .mapping import RelationMapping
-from .statements import NEW, OLD, column, delete_sql, on_conflict, placeholder, table, update_sql
+from .statements import (
+    NEW,
+    OLD,
+    column,
+    delete_in_sql,
+    delete_sql,
+    on_conflict,
+    table,
+    update_sql,
+    value_rows,
+)
 
 __all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "FEED_ROWS",
            "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",
@@ -303,19 +313,11 @@ def _copy_sql(mapping: RelationMapping, binary: bool) -> str:
                     binary)
 
 
-def _rows_of(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> sql.Composable:
-    width = len(positions)
-    return sql.SQL(", ").join(
-        sql.SQL("({})").format(sql.SQL(", ").join(
-            placeholder(mapping, i, r * width + n) for n, i in enumerate(positions, 1)))
-        for r in range(rows))
-
-
 def _insert_sql(mapping: RelationMapping, present: tuple[int, ...], rows: int) -> str:
     names = [mapping.target_columns[i].name for i in present]
     return sql.SQL("INSERT INTO {} ({}) VALUES {}{}").format(
         table(mapping), sql.SQL(", ").join(column(mapping, i) for i in present),
-        _rows_of(mapping, present, rows), on_conflict(mapping, names)).as_string()
+        value_rows(mapping, present, rows), on_conflict(mapping, names)).as_string()
 
 
 def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
@@ -330,13 +332,11 @@ def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positio
         sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[len(assigned) + n])
         for n, i in enumerate(key_positions))
     return sql.SQL("UPDATE {} AS t SET {} FROM (VALUES {}) AS v({}) WHERE {}").format(
-        table(mapping), sets, _rows_of(mapping, columns, rows), sql.SQL(", ").join(aliases),
+        table(mapping), sets, value_rows(mapping, columns, rows), sql.SQL(", ").join(aliases),
         where).as_string()
 
 
 def _delete_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int, by_key: bool) -> str:
     if rows == 1:
         return delete_sql(mapping, positions, by_key)
-    return sql.SQL("DELETE FROM {} WHERE ({}) IN ({})").format(
-        table(mapping), sql.SQL(", ").join(column(mapping, i) for i in positions),
-        _rows_of(mapping, positions, rows)).as_string()
+    return delete_in_sql(mapping, positions, rows).as_string()

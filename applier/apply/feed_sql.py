@@ -10,10 +10,11 @@ count, so the fast path's checks still hold:
   multi-row INSERTs; likewise the change rows the lane kept in a
   run (``run_rows``: COPY data already, meta included);
 * updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
-  FROM (VALUES ...)`` (or ``DELETE FROM t USING (VALUES ...)``) ``RETURNING`` each row's meta from
-  its VALUES row and the whole new (or old) row, ``INSERT INTO <change table> SELECT ... FROM c``,
-  whose row count is the data's; single-row statements (REPLICA IDENTITY FULL) wrapped the same
-  way, the meta as parameters.
+  FROM (VALUES ...)`` ``RETURNING`` each row's meta from its VALUES row and the whole new row,
+  ``INSERT INTO <change table> SELECT ... FROM c``, whose row count is the data's (deletes: ``WITH
+  c AS (DELETE FROM t WHERE (key) IN (...) RETURNING <old row>)``, each old row joined to the
+  VALUES row of its key for its meta); single-row statements (REPLICA IDENTITY FULL) wrapped the
+  same way, the meta as parameters.
 
 Must never record, fold or send anything (``batch`` records, ``batch_sql`` turns runs into
 statements and calls this, the pipeline sends).
@@ -42,7 +43,7 @@ from .batch_ops import (
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_text, copy_text_rows
 from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
-from .statements import OLD, column, delete_sql, placeholder, table, update_sql
+from .statements import OLD, column, delete_in_sql, delete_sql, placeholder, table, update_sql
 
 __all__ = ["META_PARAMS", "feed_rows", "run_rows", "run_deletes", "rows_sql", "update_rows_sql",
            "delete_rows_sql", "single_sql", "recorded", "moved"]
@@ -198,19 +199,31 @@ def update_rows_sql(mapping: RelationMapping, assigned: tuple[int, ...],
 
 def delete_rows_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int) -> str:
     """``rows`` deletes by key recording the whole old rows; parameters per row: the key values,
-    the four meta values."""
+    the four meta values.
+
+    The rows go by ``(key) IN (...)``, as without the feed: one index scan finds every key,
+    where deleting through a join with the VALUES rows descended the index once per key and
+    cost the target about twice as much. Each returned old row then takes its meta from the
+    VALUES row of its key, joined in memory, and the change rows are written only if exactly
+    ``rows`` rows were deleted: a missing row, or two keys that are one row on the target, give
+    the statement a count of 0 and the batch goes the careful way, as a plain delete's would."""
     change_table = mapping.feed
     assert change_table is not None
+    width = len(positions) + META_PARAMS
     aliases = [sql.SQL(f"v{n}") for n in range(len(positions))]
     metas = [sql.SQL(f"m{n}") for n in range(META_PARAMS)]
-    where = sql.SQL(" AND ").join(sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[n])
-                                  for n, i in enumerate(positions))
     columns = [c.name for c in mapping.target_columns]
-    data = sql.SQL("DELETE FROM {} AS t USING (VALUES {}) AS v({}) WHERE {}{}").format(
-        table(mapping), _values(mapping, positions, rows),
-        sql.SQL(", ").join([*aliases, *metas]), where,
-        layout.returning([sql.SQL(f"v.m{n}") for n in range(META_PARAMS)], columns, "t"))
-    return layout.wrap_sql(change_table, data, columns, "D")
+    on = sql.SQL(" AND ").join(sql.SQL("c.{} = v.{}").format(column(mapping, i), aliases[n])
+                               for n, i in enumerate(positions))
+    return sql.SQL("WITH applier_changed AS ({}{}) {} SELECT {}, {}, {} FROM applier_changed AS c "
+                   "JOIN (VALUES {}) AS v({}) ON {} "
+                   "WHERE (SELECT pg_catalog.count(*) FROM applier_changed) = {}").format(
+        delete_in_sql(mapping, positions, rows, width), layout.returning([], columns),
+        layout.insert_prefix(change_table, columns),
+        sql.SQL(", ").join(sql.SQL("v.{}").format(m) for m in metas), sql.Literal("D"),
+        sql.SQL(", ").join(sql.Identifier("c", name) for name in columns),
+        _values(mapping, positions, rows), sql.SQL(", ").join([*aliases, *metas]), on,
+        sql.Literal(rows)).as_string()
 
 
 def single_sql(mapping: RelationMapping, data_sql: str, params: int, op: str) -> str:

@@ -17,7 +17,8 @@ from psycopg import sql
 from .mapping import RelationMapping
 
 __all__ = ["Statement", "NEW", "OLD", "insert_statement", "update_statement", "delete_statement",
-           "update_sql", "delete_sql", "truncate_sql", "placeholder", "row_filter", "column"]
+           "update_sql", "delete_sql", "delete_in_sql", "truncate_sql", "placeholder", "value_rows",
+           "row_filter", "column"]
 
 NEW, OLD = 0, 1
 
@@ -44,6 +45,27 @@ def placeholder(mapping: RelationMapping, position: int, number: int) -> sql.Com
     """``$number`` cast to the target type of the source column at ``position``."""
     return sql.SQL("${}::{}").format(sql.SQL(str(number)),
                                      sql.SQL(mapping.target_columns[position].type_sql))
+
+
+def value_rows(mapping: RelationMapping, positions: tuple[int, ...], rows: int,
+               stride: int | None = None) -> sql.Composable:
+    """``($1::t, ..), ...``: ``rows`` rows of the placeholders of ``positions``, row r's numbered
+    from ``r * stride + 1`` (``stride``: parameters per row, by default one per position)."""
+    width = len(positions) if stride is None else stride
+    return sql.SQL(", ").join(
+        sql.SQL("({})").format(sql.SQL(", ").join(
+            placeholder(mapping, i, r * width + n) for n, i in enumerate(positions, 1)))
+        for r in range(rows))
+
+
+def delete_in_sql(mapping: RelationMapping, positions: tuple[int, ...], rows: int,
+                  stride: int | None = None) -> sql.Composable:
+    """``DELETE FROM t WHERE (key) IN (<value_rows>)``: one index scan finds every key of a
+    single-column key (PostgreSQL sorts the list), where a join with the keys would descend the
+    index once per key."""
+    return sql.SQL("DELETE FROM {} WHERE ({}) IN ({})").format(
+        table(mapping), sql.SQL(", ").join(column(mapping, i) for i in positions),
+        value_rows(mapping, positions, rows, stride))
 
 
 def column(mapping: RelationMapping, position: int) -> sql.Identifier:

@@ -40,7 +40,7 @@ from .batch_ops import (
     in_format,
     present_columns,
 )
-from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_sql, copy_text, copy_text_rows
+from .copy import copy_binary, copy_binary_data, copy_fields, copy_sql, copy_text
 from .mapping import RelationMapping
 from .statements import (
     NEW,
@@ -208,11 +208,12 @@ class Emitter:
     def _short_run(self, mapping: RelationMapping, run: Run) -> Iterator[BatchStatement]:
         """A run too short for a COPY as multi-row INSERTs, shaped (and so prepared) as the
         ordinary path's inserts of every column."""
-        rows = copy_binary_rows(run.data) if run.binary else copy_text_rows(run.data)
         every = every_column(run.columns)
+        width = run.columns
+        every_value = copy_fields(run.data, run.binary, every)
         shape = (INSERT, mapping.relation.relation_id, every, True, True)
-        for position, size in chunks(len(rows), run.columns):
-            values = [value for row in rows[position:position + size] for value in row]
+        for position, size in chunks(len(every_value) // width, width):
+            values = every_value[position * width:(position + size) * width]
             sql_key = (shape, size)
             sql = self._sql.get(sql_key)
             if sql is None:

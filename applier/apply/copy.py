@@ -13,24 +13,26 @@ tuples (``copy_binary_data``). A row mixing text and binary values fits neither 
 on multi-row INSERTs.
 
 A run too short to be worth a COPY of its own goes back to rows (``copy_text_rows``,
-``copy_binary_rows``: the inverse of the two above) for a multi-row INSERT in the batch's pipeline.
+``copy_binary_rows``: the inverse of the two above) for a multi-row INSERT in the batch's pipeline;
+``copy_fields`` reads chosen fields of every row straight into one list of statement parameters.
 
-``copy_text`` runs in C when the accelerator is built (``_speedups.copy_text``);
-``copy_text_pure`` is the reference, and ``APPLIER_PURE_PYTHON=1`` selects it as it does for the
-decoder.
+``copy_text`` and ``copy_fields`` run in C when the accelerator is built (``_speedups``);
+``copy_text_pure`` and ``copy_fields_pure`` are the references, and ``APPLIER_PURE_PYTHON=1``
+selects them as it does for the decoder.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 from psycopg import sql
 
 from ..implementation import accelerator
 
-__all__ = ["copy_binary", "copy_binary_data", "copy_binary_rows", "copy_sql", "copy_text", "copy_text_pure",
-           "copy_text_rows"]
+__all__ = ["copy_binary", "copy_binary_data", "copy_binary_rows", "copy_fields", "copy_fields_pure",
+           "copy_sql", "copy_text", "copy_text_pure", "copy_text_rows"]
 
 Row = tuple[bytes | None, ...]
 
@@ -120,12 +122,22 @@ def copy_binary_tuples(data: bytes | bytearray) -> bytes:
     return bytes(data[len(_BINARY_HEADER):len(data) - len(_BINARY_TRAILER)])
 
 
-def _accelerated() -> Callable[[list[Row]], bytes] | None:
-    speedups = accelerator("protocol._speedups")
-    return None if speedups is None else speedups.copy_text
+def copy_fields_pure(data: bytes | bytearray, binary: bool, order: tuple[int, ...]) -> list[bytes | None]:
+    """The values of COPY data (``copy_text`` lines, or binary tuples without header and trailer)
+    in one list: for each row, its fields at the positions in ``order``."""
+    rows = copy_binary_rows(data) if binary else copy_text_rows(data)
+    return [row[i] for row in rows for i in order]
 
 
-copy_text: Callable[[list[Row]], bytes] = _accelerated() or copy_text_pure
+def _accelerated() -> ModuleType | None:
+    return accelerator("protocol._speedups")
+
+
+_speedups = _accelerated()
+copy_text: Callable[[list[Row]], bytes] = (
+    copy_text_pure if _speedups is None else _speedups.copy_text)
+copy_fields: Callable[[bytes | bytearray, bool, tuple[int, ...]], list[bytes | None]] = (
+    copy_fields_pure if _speedups is None else _speedups.copy_fields)
 
 
 def copy_sql(table: sql.Composable, columns: Sequence[sql.Composable], binary: bool = False) -> str:

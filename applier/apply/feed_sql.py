@@ -40,7 +40,7 @@ from .batch_ops import (
     chunks,
     collect,
 )
-from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_text, copy_text_rows
+from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
 from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
 from .statements import OLD, column, delete_in_sql, delete_sql, placeholder, table, update_sql
@@ -138,19 +138,19 @@ def run_deletes(mapping: RelationMapping, data: bytes | bytearray, rows: int, bi
     """The deletes the lane kept as change rows in a run (meta, then the key's columns): deleted
     by key and recorded from the target's old rows, as ``recorded`` does for the ordinary path's."""
     keys = mapping.key_positions
-    changes = copy_binary_rows(data) if binary else copy_text_rows(data)
-    assert len(changes) == rows
+    width = len(keys) + META_PARAMS
+    # Each change row is its meta, its op, then the key's columns: the parameters are the key's
+    # values, then the meta.
+    values = copy_fields(data, binary, tuple(META_PARAMS + 1 + i for i in keys) + tuple(range(META_PARAMS)))
+    assert len(values) == rows * width
     statements = []
-    for position, size in chunks(rows, len(keys) + META_PARAMS):
-        values: list[bytes | None] = []
-        for change in changes[position:position + size]:
-            values.extend(change[META_PARAMS + 1 + i] for i in keys)
-            values.extend(change[:META_PARAMS])
+    for position, size in chunks(rows, width):
+        params = values[position * width:(position + size) * width]
         key = (("feed deletes", mapping.relation.relation_id), size)
         text = cache.get(key)
         if text is None:
             text = cache[key] = delete_rows_sql(mapping, keys, size)
-        statements.append(BatchStatement(key, text, values, [int(binary)] * len(values), size))
+        statements.append(BatchStatement(key, text, params, [int(binary)] * len(params), size))
     return statements
 
 

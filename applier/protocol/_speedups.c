@@ -2,7 +2,8 @@
  * C accelerator for the pgoutput hot path: Begin, Commit, Insert, Update and Delete messages
  * (a stream of small transactions is mostly Begin and Commit), the dispatch between them and
  * the pure-Python decoder (decode), and the text COPY rows the apply stage builds from their
- * values (copy_text; applier/apply/copy.py holds the pure-Python reference).
+ * values (copy_text) and reads back (copy_fields; applier/apply/copy.py holds the pure-Python
+ * references).
  *
  * Owns nothing but speed. It builds exactly the objects the pure-Python decoder builds
  * (applier/protocol/decoder.py is the reference): the same frozen dataclasses, the same field
@@ -611,6 +612,204 @@ copy_text(PyObject *module, PyObject *rows)
     return result;
 }
 
+/* One field of a COPY row: where its bytes are, and whether it is NULL or holds escapes. */
+typedef struct {
+    const char *start;
+    Py_ssize_t length;
+    int null;
+    int escaped;
+} Field;
+
+/* A text field's value: copy_text's escapes (backslash, tab, newline, carriage return) undone. */
+static PyObject *
+unescaped(const Field *field)
+{
+    PyObject *value = PyBytes_FromStringAndSize(NULL, field->length);
+    const char *in = field->start, *end = field->start + field->length;
+    char *out;
+    if (value == NULL)
+        return NULL;
+    out = PyBytes_AS_STRING(value);
+    while (in < end) {
+        if (*in != '\\') {
+            *out++ = *in++;
+            continue;
+        }
+        if (in + 1 == end)
+            goto bad;
+        switch (in[1]) {
+        case '\\': *out++ = '\\'; break;
+        case 't': *out++ = '\t'; break;
+        case 'n': *out++ = '\n'; break;
+        case 'r': *out++ = '\r'; break;
+        default: goto bad;
+        }
+        in += 2;
+    }
+    if (_PyBytes_Resize(&value, out - PyBytes_AS_STRING(value)) < 0)
+        return NULL;
+    return value;
+bad:
+    Py_DECREF(value);
+    PyErr_SetString(PyExc_ValueError, "copy_fields(): an escape copy_text never writes");
+    return NULL;
+}
+
+/* Room in *fields for field n (grown as needed). */
+static int
+field_room(Field **fields, Py_ssize_t *room, Py_ssize_t n)
+{
+    Field *more;
+    if (n < *room)
+        return 0;
+    more = PyMem_Resize(*fields, Field, *room * 2);
+    if (more == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *fields = more;
+    *room *= 2;
+    return 0;
+}
+
+static int32_t
+big_endian32(const unsigned char *p)
+{
+    return (int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
+}
+
+/* The fields of the row at data[*at..end) into *fields; *at moves past the row. */
+static Py_ssize_t
+row_fields(const char *data, Py_ssize_t *at, Py_ssize_t end, int binary, Field **fields,
+           Py_ssize_t *room)
+{
+    const unsigned char *bytes = (const unsigned char *)data;
+    Py_ssize_t n = 0, count, p = *at;
+    if (binary) {  /* a field count, then each field's length (-1: NULL) and bytes */
+        if (end - p < 2)
+            goto truncated;
+        count = (bytes[p] << 8) | bytes[p + 1];
+        p += 2;
+        for (n = 0; n < count; n++) {
+            Field field = {data + p + 4, 0, 0, 0};
+            int32_t length;
+            if (end - p < 4)
+                goto truncated;
+            length = big_endian32(bytes + p);
+            p += 4;
+            if (length < 0) {
+                field.null = 1;
+            } else {
+                if (end - p < length)
+                    goto truncated;
+                field.length = length;
+                p += length;
+            }
+            if (field_room(fields, room, n) < 0)
+                return -1;
+            (*fields)[n] = field;
+        }
+        *at = p;
+        return n;
+    }
+    for (;;) {  /* text: fields end at a tab, the row at a newline (escaped within values) */
+        Field field = {data + p, 0, 0, 0};
+        Py_ssize_t q = p;
+        while (q < end && data[q] != '\t' && data[q] != '\n') {
+            if (data[q] == '\\')
+                field.escaped = 1;
+            q++;
+        }
+        if (q == end)
+            goto truncated;
+        field.length = q - p;
+        field.null = field.length == 2 && data[p] == '\\' && data[p + 1] == 'N';
+        if (field_room(fields, room, n) < 0)
+            return -1;
+        (*fields)[n++] = field;
+        p = q + 1;
+        if (data[q] == '\n')
+            break;
+    }
+    *at = p;
+    return n;
+truncated:
+    PyErr_SetString(PyExc_ValueError, "copy_fields(): COPY data ends inside a row");
+    return -1;
+}
+
+/* copy_fields(data, binary, order): the values of COPY data (text lines as copy_text writes
+ * them, or binary tuples without the header and trailer), flattened in one list: for each row,
+ * its fields at the positions in order (a tuple of ints), bytes or None. */
+static PyObject *
+copy_fields(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer view;
+    PyObject *order, *out = NULL;
+    Py_ssize_t norder, i, at = 0, room = 16, *positions = NULL;
+    Field *fields = NULL;
+    int binary;
+
+    if (nargs != 3 || !PyTuple_Check(args[2]))
+        return PyErr_Format(PyExc_TypeError, "copy_fields(data, binary, order: tuple)");
+    binary = PyObject_IsTrue(args[1]);
+    if (binary < 0 || PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    order = args[2];
+    norder = PyTuple_GET_SIZE(order);
+    positions = PyMem_New(Py_ssize_t, norder ? norder : 1);
+    fields = PyMem_New(Field, room);
+    out = PyList_New(0);
+    if (positions == NULL || fields == NULL || out == NULL) {
+        if (out != NULL)
+            PyErr_NoMemory();
+        goto fail;
+    }
+    for (i = 0; i < norder; i++) {
+        positions[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(order, i));
+        if (positions[i] == -1 && PyErr_Occurred())
+            goto fail;
+    }
+    while (at < view.len) {
+        Py_ssize_t n = row_fields(view.buf, &at, view.len, binary, &fields, &room);
+        if (n < 0)
+            goto fail;
+        for (i = 0; i < norder; i++) {
+            Field *field;
+            PyObject *value;
+            int appended;
+            if (positions[i] < 0 || positions[i] >= n) {
+                PyErr_Format(PyExc_ValueError, "copy_fields(): no field %zd in a row of %zd",
+                             positions[i], n);
+                goto fail;
+            }
+            field = &fields[positions[i]];
+            if (field->null)
+                value = Py_NewRef(Py_None);
+            else if (field->escaped)
+                value = unescaped(field);
+            else
+                value = PyBytes_FromStringAndSize(field->start, field->length);
+            if (value == NULL)
+                goto fail;
+            appended = PyList_Append(out, value);
+            Py_DECREF(value);
+            if (appended < 0)
+                goto fail;
+        }
+    }
+    PyMem_Free(positions);
+    PyMem_Free(fields);
+    PyBuffer_Release(&view);
+    return out;
+fail:
+    Py_XDECREF(out);
+    PyMem_Free(positions);
+    PyMem_Free(fields);
+    PyBuffer_Release(&view);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"init", init, METH_VARARGS,
      "init(TupleData, Insert, Update, Delete, Begin, Commit, LSN, PG_EPOCH, UNCHANGED_TOAST, "
@@ -633,6 +832,9 @@ static PyMethodDef methods[] = {
      "decode_delete(buf, in_stream)\n--\n\nDecode a Delete message (type byte 'D')."},
     {"copy_text", copy_text, METH_O,
      "copy_text(rows)\n--\n\nRows (a list of tuples of bytes or None) as COPY text format."},
+    {"copy_fields", (PyCFunction)(void (*)(void))copy_fields, METH_FASTCALL,
+     "copy_fields(data, binary, order)\n--\n\nThe values of COPY text lines (as copy_text "
+     "writes them) or binary tuples, in one list: each row's fields at the positions in order."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -45,6 +45,39 @@ def test_accelerator_rejects_what_is_not_bytes() -> None:
         speedups.copy_text([[b"1"]])
 
 
+def test_copy_fields_in_c_reads_what_the_reference_reads() -> None:
+    """Chosen fields of every row, in any order and repeated, from text and binary COPY data."""
+    from applier.apply.copy import copy_binary, copy_fields_pure
+
+    speedups = _speedups()
+    chance = random.Random(8)
+    for _ in range(300):
+        width = chance.randint(1, 6)
+        rows = [tuple(None if chance.random() < 0.1 else
+                      b"".join(chance.choice(SPECIAL + [b"x", b"yz"]) for _ in range(chance.randint(0, 5)))
+                      for _ in range(width))
+                for _ in range(chance.randint(0, 20))]
+        order = tuple(chance.randrange(width) for _ in range(chance.randint(0, 2 * width)))
+        for binary, data in ((False, copy_text_pure(rows)), (True, copy_binary(rows))):
+            expected = [row[i] for row in rows for i in order]
+            assert copy_fields_pure(data, binary, order) == expected
+            assert speedups.copy_fields(bytearray(data), binary, order) == expected
+
+
+def test_copy_fields_in_c_rejects_data_copy_text_never_writes() -> None:
+    from applier.apply.copy import copy_binary
+
+    speedups = _speedups()
+    with pytest.raises(ValueError, match="ends inside a row"):
+        speedups.copy_fields(b"1\t2", False, (0,))          # no newline
+    with pytest.raises(ValueError, match="ends inside a row"):
+        speedups.copy_fields(copy_binary([(b"abc",)])[:-1], True, (0,))
+    with pytest.raises(ValueError, match="escape"):
+        speedups.copy_fields(b"a\\q\n", False, (0,))  # backslash, q
+    with pytest.raises(ValueError, match="no field 2"):
+        speedups.copy_fields(b"a\tb\n", False, (2,))
+
+
 def test_pure_python_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APPLIER_PURE_PYTHON", "1")
     assert copy_module._accelerated() is None

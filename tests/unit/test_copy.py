@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,15 +26,22 @@ def _speedups():
     return _speedups
 
 
+def _random_rows(seed: int, count: int) -> Iterator[tuple[random.Random, int, list[tuple[bytes | None, ...]]]]:
+    """``count`` times up to 20 rows of 1 to 6 values (NULLs, and bytes made of every sequence
+    COPY escapes), with the generator and the width."""
+    chance = random.Random(seed)
+    for _ in range(count):
+        width = chance.randint(1, 6)
+        yield chance, width, [tuple(None if chance.random() < 0.1 else
+                                    b"".join(chance.choice(SPECIAL + [b"x", b"yz"])
+                                             for _ in range(chance.randint(0, 5)))
+                                    for _ in range(width))
+                              for _ in range(chance.randint(0, 20))]
+
+
 def test_accelerator_matches_the_reference() -> None:
     speedups = _speedups()
-    chance = random.Random(6)
-    for _ in range(200):
-        width = chance.randint(1, 6)
-        rows = [tuple(None if chance.random() < 0.1 else
-                      b"".join(chance.choice(SPECIAL + [b"x", b"yz"]) for _ in range(chance.randint(0, 5)))
-                      for _ in range(width))
-                for _ in range(chance.randint(0, 20))]
+    for _, _, rows in _random_rows(6, 200):
         assert speedups.copy_text(rows) == copy_text_pure(rows)
 
 
@@ -50,13 +58,7 @@ def test_copy_fields_in_c_reads_what_the_reference_reads() -> None:
     from applier.apply.copy import copy_binary, copy_fields_pure
 
     speedups = _speedups()
-    chance = random.Random(8)
-    for _ in range(300):
-        width = chance.randint(1, 6)
-        rows = [tuple(None if chance.random() < 0.1 else
-                      b"".join(chance.choice(SPECIAL + [b"x", b"yz"]) for _ in range(chance.randint(0, 5)))
-                      for _ in range(width))
-                for _ in range(chance.randint(0, 20))]
+    for chance, width, rows in _random_rows(8, 300):
         order = tuple(chance.randrange(width) for _ in range(chance.randint(0, 2 * width)))
         for binary, data in ((False, copy_text_pure(rows)), (True, copy_binary(rows))):
             expected = [row[i] for row in rows for i in order]

@@ -10,9 +10,9 @@ elapsed time, rows/s, transactions/s, ours/native, our worker's peak memory, and
 limits: the source's (decoding the same backlog from a third slot with
 ``pg_logical_slot_get_binary_changes``, sending and applying nothing) and the target's (binary
 COPY of the same rows). It also prints the CPU time each contender's drain cost the source's and
-the target's server processes: the source's is almost all one walsender, a single process, so it
-is a floor for the drain time of any subscriber. The applier package is byte-compiled first, as
-an installed wheel is.
+the target's server processes (the source's is almost all one walsender, a single process, so it
+is a floor for the drain time of any subscriber) and our worker process's own. The applier
+package is byte-compiled first, as an installed wheel is.
 
 The multi-client workloads (pgbench TPC-B at scale 10 from 1, 4 and 8 clients, 50,000
 transactions in all) also print a detailed table: time until the last row is visible on the

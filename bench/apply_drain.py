@@ -231,10 +231,9 @@ def drain_ours(source: Database, source_dsn: str, target: Database, slot: str, w
     source_cpu, target_cpu = _cpu_since(cpu, source, target)
     # Not ru_maxrss: it counts the fork of this process that ran until exec.
     result = Result(elapsed, peak_mb=peak / 1024, source_cpu=source_cpu,
-                    target_cpu=target_cpu)
+                    target_cpu=target_cpu, worker_cpu=usage.ru_utime + usage.ru_stime)
     if watch is not None:
         watch.fill(result)
-        result.worker_cpu = usage.ru_utime + usage.ru_stime
     return result
 
 
@@ -477,7 +476,8 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
     print(f"\nvalues: applier binary (--binary auto), native {'binary' if native_binary else 'text'} "
           f"(binary = {str(native_binary).lower()})")
     print(f"{'workload':<26} {'contender':<10} {'seconds':>8} {'rows/s':>10} {'txn/s':>9} "
-          f"{'ours/native':>11} {'peak MB':>8} {'src CPU':>8} {'tgt CPU':>8} {'equal':>6}{runs_note}")
+          f"{'ours/native':>11} {'peak MB':>8} {'src CPU':>8} {'tgt CPU':>8} {'wkr CPU':>8} "
+          f"{'equal':>6}{runs_note}")
     ok = True
     for workload, run in rows:
         theirs = run.theirs
@@ -487,7 +487,7 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
             print(f"{workload.name:<26} {name:<10} {result.seconds:>8.2f} "
                   f"{workload.rows / result.seconds:>10,.0f} {workload.transactions / result.seconds:>9,.0f} "
                   f"{ratio:>11} {peak:>8} {_seconds(result.source_cpu):>8} {_seconds(result.target_cpu):>8} "
-                  f"{str(result.equal):>6}")
+                  f"{_seconds(result.worker_cpu) if name != 'native' else '':>8} {str(result.equal):>6}")
             ok &= result.equal
         if run.feed is not None:
             print(f"{'':<26} {'+feed':<10} {run.feed.seconds / run.mine.seconds:>7.2f}x  (the drain "
@@ -503,7 +503,8 @@ def print_table(rows: list[tuple[Workload, Run]], repeat: int, native_binary: bo
         print(f"{'':<26} {'COPY':<10} {seconds:>8.2f} {copied / seconds if seconds else 0:>10,.0f}"
               f"   (target's physical ceiling: binary COPY of the {copied:,} final rows)")
     print("src CPU / tgt CPU: CPU seconds of the source's and the target's server processes during "
-          "the drain; the source's is almost all its one walsender, so no subscriber drains faster")
+          "the drain; the source's is almost all its one walsender, so no subscriber drains faster; "
+          "wkr CPU: our worker process's (start-up included)")
     detailed = [(w, r) for w, r in rows if w.marker]
     if detailed:
         _print_details(detailed, runs_note)

@@ -672,12 +672,6 @@ field_room(Field **fields, Py_ssize_t *room, Py_ssize_t n)
     return 0;
 }
 
-static int32_t
-big_endian32(const unsigned char *p)
-{
-    return (int32_t)(((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3]);
-}
-
 /* The fields of the row at data[*at..end) into *fields; *at moves past the row. */
 static Py_ssize_t
 row_fields(const char *data, Py_ssize_t *at, Py_ssize_t end, int binary, Field **fields,
@@ -688,14 +682,14 @@ row_fields(const char *data, Py_ssize_t *at, Py_ssize_t end, int binary, Field *
     if (binary) {  /* a field count, then each field's length (-1: NULL) and bytes */
         if (end - p < 2)
             goto truncated;
-        count = (bytes[p] << 8) | bytes[p + 1];
+        count = be16(bytes + p);
         p += 2;
         for (n = 0; n < count; n++) {
             Field field = {data + p + 4, 0, 0, 0};
             int32_t length;
             if (end - p < 4)
                 goto truncated;
-            length = big_endian32(bytes + p);
+            length = (int32_t)be32(bytes + p);
             p += 4;
             if (length < 0) {
                 field.null = 1;

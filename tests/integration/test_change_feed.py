@@ -315,10 +315,11 @@ def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, targ
             assert snap.query(f"SELECT count(*) FROM {change_table('pk_t')}")[0][0] == 1500
         finally:
             snap.close()
-        # Every partition the reader saw expires (each once the one after it is 3 s old), and
-        # the retained range moves with the drops, in their transaction.
-        wait_for(lambda: partitions()[0] not in before, timeout=30, what="retention after the reader")
-        assert retained() != str(held.start)
+        # The retained range moves with the drops, in their transaction, oldest partition first.
+        # Not every partition the reader saw need go: a partition is sized from the WAL rate
+        # seen so far, so the last of them may still be the newest, which is never dropped.
+        wait_for(lambda: retained() != str(held.start), timeout=30, what="retention after the reader")
+        assert partitions()[0] != before[0]
         with open_snapshot(target_db.dsn) as late:
             with pytest.raises(HistoryNotRetained, match="committed after"):
                 change_range(late, "pk_t", held.start)

@@ -132,6 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "in its environment, shown as applier[LABEL]; for trying a change to "
                              "the worker that a variable switches on, in the same run as the code "
                              "without it (repeatable)")
+    parser.add_argument("--floor", action="store_true",
+                        help="with --sustained: one more contender, 'hop floor' (bench/lag_floor.py): "
+                             "each source transaction applied as its commit arrives, in one round "
+                             "trip, with no progress row, row count check or batching; the least lag "
+                             "a worker outside the target server can have on this machine")
     parser.add_argument("--change-feed", action="store_true",
                         help="one more contender, printed as '+feed': our worker with --change-feed "
                              "all (every table's changes also recorded in its change table), with its "
@@ -164,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sustained:
             ok = run_sustained(source_server, target_server, parse_rates(args.rates), args.duration,
                                args.clients, args.repeat, args.unix_socket, args.worker_hooks,
-                               experiments, args.baseline)
+                               experiments, args.baseline, args.floor)
             print(f"load average at the end: {load_average()}")
             return 0 if ok else 1
         index = 0

@@ -30,6 +30,7 @@ import re
 import signal
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -245,6 +246,26 @@ def native(source: Database, source_dsn: str, target: Database, slot: str) -> Co
     return Contender("native", start, stop)
 
 
+def hop_floor(source: Database, source_dsn: str, target: Database, slot: str) -> Contender:
+    """``bench/lag_floor.py``: each source transaction applied as its Commit arrives, in one round
+    trip, with no bookkeeping and no batching; the least lag a worker outside the target server
+    can have here (``--floor``)."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> None:
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "lag_floor.py"), "--source",
+             _with_work_mem(source_dsn, "64MB"), "--target", target.dsn, "--slot", slot,
+             "--publication", "bench"], cwd=ROOT))
+
+    def stop() -> None:
+        procs[0].send_signal(signal.SIGTERM)
+        if procs[0].wait(timeout=60) != 0:
+            raise SystemExit(f"bench/lag_floor.py exited with status {procs[0].returncode}")
+
+    return Contender("hop floor", start, stop, lambda: procs[0].pid if procs else None)
+
+
 def _walsender_pid(source: Database, slot: str) -> int | None:
     return source.query("SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s", (slot,))[0][0]
 
@@ -361,13 +382,15 @@ def run_sustained(source_server: PostgresServer, target_server: PostgresServer,
                   rates: Sequence[int | None], duration: float, clients: int, repeat: int,
                   unix_socket: bool, hooks_dir: Path | None = None,
                   experiments: Sequence[tuple[str, dict[str, str]]] = (),
-                  baseline: Path | None = None) -> bool:
+                  baseline: Path | None = None, floor: bool = False) -> bool:
     """Every contender over every rate, ``repeat`` times; prints the medians. True if every
     target equalled its source at the end. With ``hooks_dir``, our worker's counters
     (bench/probe_hooks.py) go to a file there per run. Each of ``experiments`` (label,
     environment) is one more contender: our worker with that environment; so is ``baseline``, the
-    applier of the checkout there."""
+    applier of the checkout there, and with ``floor`` ``bench/lag_floor.py`` (``hop_floor``)."""
     contenders: list[tuple[str, Callable[..., Contender]]] = [("applier", ours), ("native", native)]
+    if floor:
+        contenders.append(("hop floor", hop_floor))
     if baseline is not None:
         contenders.insert(1, ("baseline", functools.partial(ours, name="baseline", tree=baseline)))
     for label, env in experiments:

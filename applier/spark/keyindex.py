@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .written import read_written
+from .written import read_written, write_counted
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -63,16 +63,10 @@ class KeyIndex:
                    tuple(Layer(la["directory"], int(la["rows"])) for la in data["layers"]))
 
 
-def _written(spark: SparkSession, frame: DataFrame, output: Path, directory: str,
-             rows: int | None = None) -> Layer:
-    frame.write.mode("overwrite").parquet(str(output / directory))
-    # Unless known, counted from the Parquet footers: no second pass over the data.
-    return Layer(directory, read_written(spark, output / directory).count() if rows is None else rows)
-
-
-def write_base(spark: SparkSession, entries: DataFrame, output: Path, stamp: str) -> KeyIndex:
+def write_base(entries: DataFrame, output: Path, stamp: str) -> KeyIndex:
     """A new index of exactly ``entries`` (one row per key, no tombstone column)."""
-    return KeyIndex(_written(spark, entries, output, f"keys-{stamp}"))
+    directory = f"keys-{stamp}"
+    return KeyIndex(Layer(directory, write_counted(entries, output / directory)))
 
 
 def _layers(spark: SparkSession, output: Path, layers: tuple[Layer, ...], first: int) -> DataFrame:
@@ -111,28 +105,29 @@ def lookup(spark: SparkSession, output: Path, index: KeyIndex, keys: DataFrame,
     return _newest(entries.join(F.broadcast(keys), list(key), "inner"), key)
 
 
-def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataFrame, rows: int,
-                key: tuple[str, ...], stamp: str) -> KeyIndex:
-    """``index`` with ``layer`` (``rows`` entries of changed keys, one per key, tombstones
-    flagged in ``DELETED``) on top: one more layer, or, once the layers would pass their share
-    of the base, a new base of every key's newest entry. Columns are cast to the base's types,
-    so that every layer reads back as the base does."""
+def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataFrame,
+                key: tuple[str, ...], stamp: str) -> tuple[KeyIndex, int]:
+    """``index`` with ``layer`` (the changed keys' entries, one per key, tombstones flagged in
+    ``DELETED``) on top, and how many keys it holds: one more layer, or, once the layers would
+    pass their share of the base, a new base of every key's newest entry. The layer is written
+    first (one file, counted as it is written); with no key in it, or when a new base replaces
+    the layers, no state names it and the round's clean-up removes it. Columns are cast to the
+    base's types, so that every layer reads back as the base does."""
     from pyspark.sql import functions as F
 
-    if not rows:
-        return index
     schema = read_written(spark, output / index.base.directory).schema
     layer = layer.select(*[F.col(f"`{f.name}`").cast(f.dataType).alias(f.name) for f in schema],
                          F.col(DELETED))
-    if len(index.layers) < MAX_LAYERS and rows + sum(la.rows for la in index.layers) <= \
-            LAYER_SHARE * index.base.rows:
-        # A round's changes: one file, as the result.
-        return KeyIndex(index.base, (*index.layers,
-                                     _written(spark, layer.coalesce(1), output, f"layer-{stamp}", rows)))
+    written = Layer(f"layer-{stamp}", 0)
+    rows = write_counted(layer, output / written.directory, coalesce=True)
+    if not rows:
+        return index, 0
+    written = Layer(written.directory, rows)
+    layers = (*index.layers, written)
+    if len(layers) <= MAX_LAYERS and sum(la.rows for la in layers) <= LAYER_SHARE * index.base.rows:
+        return KeyIndex(index.base, layers), rows
     # Compaction: the base's keys no layer has, and the newest live entry of those it has.
-    layers = _layers(spark, output, index.layers, 1).unionByName(
-        layer.withColumn(_ORDER, F.lit(len(index.layers) + 1))) if index.layers else \
-        layer.withColumn(_ORDER, F.lit(1))
+    newer = _layers(spark, output, layers, 1)
     base = read_written(spark, output / index.base.directory)
-    kept = base.join(layers.select(*key).distinct(), list(key), "left_anti")
-    return write_base(spark, kept.unionByName(_newest(layers, key)), output, stamp)
+    kept = base.join(newer.select(*key).distinct(), list(key), "left_anti")
+    return write_base(kept.unionByName(_newest(newer, key)), output, stamp), rows

@@ -55,7 +55,7 @@ from .keyindex import DELETED, KeyIndex, lookup, write_base, write_layer
 from .reader import read_table, spark_column
 from .session import SparkUnavailable, spark_session
 from .snapshot import open_snapshot
-from .written import forget, read_written
+from .written import forget, read_written, write_counted
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -220,28 +220,27 @@ def run_pipeline_job(spark: SparkSession, settings: Settings) -> dict[str, Any]:
         data = f"data-{stamp}"
         extra: dict[str, Any] = {}
 
-        def publish(result: DataFrame) -> None:
+        def publish(result: DataFrame) -> int:
             # One row per group: one file, written by one task (a file per shuffle partition
             # costs a task and a Parquet writer each, and more files to list next round).
-            result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)).coalesce(1) \
-                .write.mode("overwrite").parquet(str(output / data))
+            return write_counted(result.withColumn("source_commit_lsn", F.lit(position.commit_lsn)),
+                                 output / data, coalesce=True)
 
         if found is not None:
             mode = "incremental"
             result, layer, changes = found
-            publish(result)
-            changed = changes.count()  # from the cache the write filled
+            groups = publish(result)
             assert index is not None
-            new_index: KeyIndex | None = write_layer(spark, output, index, layer, changed, key, stamp)
-            extra["changed_keys"] = changed
+            # The layer is written from the cache the result's write filled.
+            new_index: KeyIndex | None
+            new_index, extra["changed_keys"] = write_layer(spark, output, index, layer, key, stamp)
             changes.unpersist()
         else:
             rows = read_table(spark, table, snap,
                               columns=_index_columns(key, group_by, measure)).persist()
-            publish(_aggregate(rows, group_by, measure))
-            new_index = write_base(spark, rows, output, stamp) if key else None
+            groups = publish(_aggregate(rows, group_by, measure))
+            new_index = write_base(rows, output, stamp) if key else None
             rows.unpersist()
-        groups = read_written(spark, output / data).count()
     state = {"table": table, "group_by": group_by, "measure": measure,
              "commit_lsn": position.commit_lsn, "end_lsn": position.end_lsn,
              "commit_time": position.commit_time, "slot_name": position.slot_name,

@@ -1,4 +1,5 @@
-"""The Parquet directories a pipeline wrote, read back once per Spark session.
+"""The Parquet directories a pipeline writes: written with their rows counted, read back once
+per Spark session.
 
 Owns one bounded map from a directory to the DataFrame that reads it. A pipeline never changes a
 directory once written (every round writes new ones, see :mod:`.pipeline`), so a DataFrame read
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["forget", "read_written"]
+__all__ = ["forget", "read_written", "write_counted"]
 
 #: Directories kept: a round reads its result, the index's base and at most a few layers.
 _KEPT = 32
@@ -41,3 +42,16 @@ def forget(directory: Path) -> None:
     path = str(directory.resolve())
     for key in [k for k in _frames if k[1] == path]:
         del _frames[key]
+
+
+def write_counted(frame: DataFrame, path: Path, coalesce: bool = False) -> int:
+    """Write ``frame`` to ``path`` (Parquet; in one file if ``coalesce``) and return its rows,
+    counted by the write itself (an observation): counting them afterwards would be one more
+    Spark job, 0.06-0.2 s of a round here, even from the Parquet footers."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    written = Observation()
+    frame = frame.observe(written, F.count(F.lit(1)).alias("rows"))
+    (frame.coalesce(1) if coalesce else frame).write.mode("overwrite").parquet(str(path))
+    return int(written.get["rows"])

@@ -390,6 +390,13 @@ def test_pipeline_through_the_change_feed_equals_a_full_recompute_after_each_rou
         named = {state["data"], state["key_index"]["base"],
                  *(la["directory"] for la in state["key_index"]["layers"])}
         assert {p.name for p in output.iterdir()} == named | {"_applier_state.json"}, n
+        # The counts in the state were taken by the writes themselves: they are what was written.
+        assert state["groups"] == len(_expected(target_db, state["commit_lsn"])), n
+        for directory, rows in [(state["key_index"]["base"], state["key_index"]["base_rows"]),
+                                *((la["directory"], la["rows"]) for la in state["key_index"]["layers"])]:
+            assert spark.read.parquet(str(output / directory)).count() == rows, (n, directory)
+        if state["mode"] == "incremental":
+            assert state["changed_keys"] == len(net), n
         previous = state
     # Rounds 1-2 add a layer each, round 3 (no change) none, round 4 would make a third: it folds
     # them into a new base; round 5 changes every row (more than the layers' share of the base:

@@ -29,7 +29,8 @@ warm-up round first (a new JVM's first jobs load classes and compile).
 
 It prints every round and the medians: process seconds, the seconds the pipeline itself reports
 (``seconds`` in its state file: from opening the snapshot to the written result, Spark start-up
-excluded), in-session seconds, and the ratios full / incremental.
+excluded), in-session seconds with the Spark jobs each round ran, and the ratios full /
+incremental.
 
     .venv/bin/python bench/pipeline.py [--rows 2000000] [--change-fraction 0.01] [--groups 1000]
                                        [--repeat 3] [--pg-version 18] [--master local[*]]
@@ -240,17 +241,21 @@ def main() -> int:
                                           *(["--full"] if name == "full" else [])], {})
                     for name in outputs}
         print("\nOne Spark session (run_pipeline_job, as in the --every loop):", flush=True)
-        print(f"{'round':>7} {'changed':>8} {'apply':>7} {'incremental':>12} {'full':>7} {'ratio':>6}  same",
-              flush=True)
+        print(f"{'round':>7} {'changed':>8} {'apply':>7} {'incremental':>12} {'full':>7} {'ratio':>6} "
+              f"{'jobs':>9}  same", flush=True)
+        tracker = spark.sparkContext.statusTracker()
         session: dict[str, list[float]] = {k: [] for k in ("incremental", "full", "ratio")}
         for round_ in range(args.repeat + 1):
             changed, _ = change(src, args.rows, args.change_fraction, args.groups)
             apply_seconds, _ = applier("run", *worker)
-            states, took = {}, {}
+            states, took, jobs = {}, {}, {}
             for name in (["incremental", "full"] if round_ % 2 == 0 else ["full", "incremental"]):
+                # Spark jobs the round ran (each costs 0.06-0.2 s here, whatever its size).
+                known = len(tracker.getJobIdsForGroup())
                 started = time.perf_counter()
                 states[name] = run_pipeline_job(spark, settings[name])
                 took[name] = time.perf_counter() - started
+                jobs[name] = len(tracker.getJobIdsForGroup()) - known
             same = same_results(spark, outputs, states, tgt)
             ok = ok and same
             if round_:
@@ -259,7 +264,8 @@ def main() -> int:
                 session["ratio"].append(took["full"] / took["incremental"])
             print(f"{round_ if round_ else 'warm-up':>7} {changed:>8,} {apply_seconds:>6.1f}s "
                   f"{took['incremental']:>11.2f}s {took['full']:>6.2f}s "
-                  f"{took['full'] / took['incremental']:>5.2f}x  {'yes' if same else 'NO'}", flush=True)
+                  f"{took['full'] / took['incremental']:>5.2f}x {jobs['incremental']:>4}/{jobs['full']:<4} "
+                  f"{'yes' if same else 'NO'}", flush=True)
         med = medians(session)
         print(f"median of {args.repeat}: incremental {med['incremental']:.2f} s, full {med['full']:.2f} s, "
               f"full/incremental {med['full'] / med['incremental']:.2f}x (median of the rounds' ratios "

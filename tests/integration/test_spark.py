@@ -529,6 +529,29 @@ def test_written_directories_are_read_once_per_session(spark, tmp_path, pg_pair)
     assert again is not first and again.count() == 3
 
 
+def test_a_directory_written_is_read_back_with_its_own_schema(spark, tmp_path, pg_pair) -> None:
+    """What ``write_counted`` wrote is counted by the write and read back (with the schema it
+    was written with, no inference) as Parquet would give it: same columns, types and rows.
+    (``pg_pair``: this module's servers, unused.)"""
+    import datetime
+    import decimal
+
+    from applier.spark.written import read_written, write_counted
+
+    frame = spark.createDataFrame(
+        [(1, "a", decimal.Decimal("1.50"), datetime.datetime(2026, 1, 2, 3, 4, 5), [1, 2], None),
+         (2, None, None, None, None, 2.5)],
+        "id bigint not null, name string, amount decimal(12,2), at timestamp, tags array<int>, "
+        "f double")
+    directory = tmp_path / "data-2"
+    assert write_counted(frame, directory, coalesce=True) == 2
+    kept = read_written(spark, directory)
+    inferred = spark.read.parquet(str(directory))
+    assert kept.schema == inferred.schema
+    assert sorted(kept.collect()) == sorted(inferred.collect()) == sorted(frame.collect())
+    assert write_counted(frame.where("id > 5"), tmp_path / "data-3") == 0
+
+
 def test_net_changes_of_a_composite_key_with_awkward_names(spark, source_db, target_db) -> None:
     """net=True on a key of two columns, one named with a space and a quote, read in three parts
     by the key's hash: one row per changed key, its final row or a delete, none lost or twice."""

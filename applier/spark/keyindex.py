@@ -118,12 +118,11 @@ def write_layer(spark: SparkSession, output: Path, index: KeyIndex, layer: DataF
     schema = read_written(spark, output / index.base.directory).schema
     layer = layer.select(*[F.col(f"`{f.name}`").cast(f.dataType).alias(f.name) for f in schema],
                          F.col(DELETED))
-    written = Layer(f"layer-{stamp}", 0)
-    rows = write_counted(layer, output / written.directory, coalesce=True)
+    directory = f"layer-{stamp}"
+    rows = write_counted(layer, output / directory, coalesce=True)
     if not rows:
         return index, 0
-    written = Layer(written.directory, rows)
-    layers = (*index.layers, written)
+    layers = (*index.layers, Layer(directory, rows))
     if len(layers) <= MAX_LAYERS and sum(la.rows for la in layers) <= LAYER_SHARE * index.base.rows:
         return KeyIndex(index.base, layers), rows
     # Compaction: the base's keys no layer has, and the newest live entry of those it has.

@@ -134,8 +134,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "without it (repeatable)")
     parser.add_argument("--floor", action="store_true",
                         help="with --sustained: one more contender, 'hop floor' (bench/lag_floor.py): "
-                             "each source transaction applied as its commit arrives, in one round "
-                             "trip, with no progress row, row count check or batching; the least lag "
+                             "each source transaction sent as its commit arrives, in a pipeline never "
+                             "waited on, with no progress row, row count check or batching; the least lag "
                              "a worker outside the target server can have on this machine")
     parser.add_argument("--change-feed", action="store_true",
                         help="one more contender, printed as '+feed': our worker with --change-feed "

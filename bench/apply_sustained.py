@@ -247,9 +247,9 @@ def native(source: Database, source_dsn: str, target: Database, slot: str) -> Co
 
 
 def hop_floor(source: Database, source_dsn: str, target: Database, slot: str) -> Contender:
-    """``bench/lag_floor.py``: each source transaction applied as its Commit arrives, in one round
-    trip, with no bookkeeping and no batching; the least lag a worker outside the target server
-    can have here (``--floor``)."""
+    """``bench/lag_floor.py``: each source transaction sent as its Commit arrives, in a pipeline
+    never waited on, with no bookkeeping and no batching; the least lag a worker outside the
+    target server can have here (``--floor``)."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def start() -> None:

@@ -3,7 +3,7 @@
 ``bench/apply.py --sustained --floor`` runs it as one more contender. It reads the slot with our
 stream reader and decoder and applies each source transaction the moment its Commit arrives, as
 PostgreSQL's own subscriber does: one target transaction per source transaction, sent as one
-pipeline (BEGIN, one prepared statement per change, COMMIT) in one round trip, with
+pipeline (BEGIN, one prepared statement per change, COMMIT, a sync point), with
 ``synchronous_commit = off``. It keeps no progress row, checks no row count, batches nothing and
 does not wait for one transaction's result before sending the next (its results are read as they
 come back), and confirms each commit to the slot as soon as it is sent (unsafe; acceptable for a

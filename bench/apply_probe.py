@@ -24,7 +24,9 @@ try an experimental change to the worker in the same run as the code without it.
 
 For every drain it prints the time until the last row is visible, our process's run time and
 CPU, the walsender's and the target's CPU, target commits (``pg_stat_database.xact_commit``) and
-WAL flushes (``pg_stat_io`` fsyncs of WAL from PostgreSQL 18; ``pg_stat_wal.wal_sync`` before).
+WAL flushes (``pg_stat_io`` fsyncs of WAL from PostgreSQL 18; ``pg_stat_wal.wal_sync`` before),
+and the vacuums and analyzes autovacuum ran on the target database's tables meanwhile (their CPU is
+in the target's).
 
     .venv/bin/python bench/apply_probe.py [--workload "pgbench 4"] [--variants plain,waits,hooks,native]
 """
@@ -84,6 +86,7 @@ class Probe:
     target_cpu: float | None = None
     commits: int | None = None
     wal_fsyncs: int | None = None
+    autovacuums: tuple[int, int] = (0, 0)   # (vacuums, analyzes) autovacuum ran on the target's tables
     equal: bool = False
     waits: dict[str, collections.Counter[str]] = field(default_factory=dict)
     extra: list[str] = field(default_factory=list)
@@ -145,17 +148,21 @@ def _statements(target: Database, top: int = 15) -> list[str]:
     return lines
 
 
-def _target_counters(target: Database) -> tuple[int, int | None]:
-    """(commits in the target database, WAL fsyncs of the whole target server) so far."""
+def _target_counters(target: Database) -> tuple[int, int | None, tuple[int, int]]:
+    """(commits in the target database, WAL fsyncs of the whole target server, (autovacuums,
+    autoanalyzes) of the target database's tables) so far."""
     with target.connect() as conn:
         commits = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = %s",
                                (target.name,)).fetchone()[0]
+        vacuums, analyzes = conn.execute(
+            "SELECT coalesce(sum(autovacuum_count), 0)::int, coalesce(sum(autoanalyze_count), 0)::int "
+            "FROM pg_stat_user_tables").fetchone()
         if target.version >= 18:
             fsyncs = conn.execute("SELECT sum(fsyncs)::bigint FROM pg_stat_io WHERE object = 'wal'"
                                   ).fetchone()[0]
         else:
             fsyncs = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()[0]
-    return int(commits), None if fsyncs is None else int(fsyncs)
+    return int(commits), None if fsyncs is None else int(fsyncs), (vacuums, analyzes)
 
 
 def _parse(variant: str) -> tuple[str, dict[str, str]]:
@@ -180,7 +187,7 @@ def drain(variant: str, source: Database, target: Database, slot: str, work_mem:
         env["PGOPTIONS"] = f"{env.get('PGOPTIONS', '')} -c pg_stat_statements.track=top".strip()
     watch = DrainWatch(source, target if marker else None, slot, end_lsn)
     time.sleep(1.5)  # the statistics of the set-up have been reported
-    commits, fsyncs = _target_counters(target)
+    commits, fsyncs, autovacuums = _target_counters(target)
     cpu = (exited_cpu(source.cluster), exited_cpu(target.cluster))
     dsn = _with_work_mem(source.dsn, work_mem)
     if sampler is not None:
@@ -224,8 +231,9 @@ def drain(variant: str, source: Database, target: Database, slot: str, work_mem:
     probe.walsender_cpu = None if None in (cpu[0], after[0]) else after[0] - cpu[0]  # type: ignore[operator]
     probe.target_cpu = None if None in (cpu[1], after[1]) else after[1] - cpu[1]  # type: ignore[operator]
     time.sleep(1.5)  # the backends' and the WAL writer's statistics have been reported
-    commits_after, fsyncs_after = _target_counters(target)
+    commits_after, fsyncs_after, autovacuums_after = _target_counters(target)
     probe.commits = commits_after - commits
+    probe.autovacuums = (autovacuums_after[0] - autovacuums[0], autovacuums_after[1] - autovacuums[1])
     probe.wal_fsyncs = None if fsyncs is None or fsyncs_after is None else fsyncs_after - fsyncs
     if native:
         target.execute("ALTER SUBSCRIPTION probe SET (slot_name = NONE)")
@@ -353,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{probe.variant}: visible {s(probe.visible)} s, run {probe.seconds:.2f} s, worker CPU "
               f"{s(probe.worker_cpu)}, walsender CPU {s(probe.walsender_cpu)}, target CPU "
               f"{s(probe.target_cpu)}, target commits {probe.commits}, WAL fsyncs {probe.wal_fsyncs}, "
+              f"autovacuum {probe.autovacuums[0]} vacuums and {probe.autovacuums[1]} analyzes, "
               f"equal {probe.equal}")
         for who, counts in sorted(probe.waits.items()):
             total = sum(counts.values())

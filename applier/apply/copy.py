@@ -32,7 +32,7 @@ from psycopg import sql
 from ..implementation import accelerator
 
 __all__ = ["copy_binary", "copy_binary_data", "copy_binary_rows", "copy_fields", "copy_fields_pure",
-           "copy_sql", "copy_text", "copy_text_pure", "copy_text_rows"]
+           "copy_sql", "copy_text", "copy_text_pure", "copy_text_rows", "ROW_BY_ROW_BELOW", "sized_copy_sql"]
 
 Row = tuple[bytes | None, ...]
 
@@ -143,3 +143,28 @@ copy_fields: Callable[[bytes | bytearray, bool, tuple[int, ...]], list[bytes | N
 def copy_sql(table: sql.Composable, columns: Sequence[sql.Composable], binary: bool = False) -> str:
     return sql.SQL("COPY {} ({}) FROM STDIN{}").format(
         table, sql.SQL(", ").join(columns), sql.SQL(" (FORMAT binary)" if binary else "")).as_string()
+
+
+#: A COPY of fewer rows than this loads them one at a time (``sized_copy_sql``).
+ROW_BY_ROW_BELOW = 5000
+#: True for every row, and volatile: PostgreSQL then inserts a COPY's rows one at a time.
+_ROW_BY_ROW = " WHERE pg_catalog.clock_timestamp() IS NOT NULL"
+
+
+def sized_copy_sql(copy: str, rows: int | None) -> str:
+    """``copy`` (a ``COPY ... FROM STDIN`` of ``copy_sql`` or the change feed's) as sent for
+    ``rows`` rows: below ``ROW_BY_ROW_BELOW``, with a WHERE clause that keeps every row and makes
+    PostgreSQL insert them one at a time.
+
+    Why: COPY FROM buffers rows for multi-row inserts in up to 1,000 tuple slots (a buffer is
+    flushed at 1,000 rows or 64 kB), and every slot pins the table's row type in the resource
+    owner. Those pins are identical, so they all hash to one place in the owner's open-addressing
+    table, and adding and releasing them costs time quadratic in the slots, paid again by every
+    COPY: a third of the target backend's time on COPYs of a few hundred rows (PostgreSQL 18;
+    the same hashing on 15). A volatile WHERE clause makes COPY insert row by row through one
+    slot, which costs a little more per row (a WAL record a row rather than a page): it wins
+    below a few thousand rows and loses above (docs/performance.md, "The resource owner's
+    quadratic")."""
+    if rows is None or rows >= ROW_BY_ROW_BELOW:
+        return copy
+    return copy + _ROW_BY_ROW

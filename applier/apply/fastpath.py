@@ -24,6 +24,7 @@ from ..progress.records import Position
 from ..protocol.lsn import LSN
 from ..protocol.messages import TupleData
 from .batch import Batch, KeyRun, Run
+from .copy import sized_copy_sql
 from .feed import Meta
 from .mapping import RelationMapping
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
@@ -213,7 +214,8 @@ class FastPath:
                     spool.mark(statement.savepoint)
             if statement.copy_data is not None:
                 log.debug("%s: %d rows", statement.sql, statement.expected_rows)
-                pipeline.copy(statement.sql, statement.copy_data, statement.expected_rows)
+                pipeline.copy(sized_copy_sql(statement.sql, statement.expected_rows), statement.copy_data,
+                              statement.expected_rows)
                 continue
             if statement.cache_key is None:
                 pipeline.send(statement.sql, expected_rows=statement.expected_rows)
@@ -279,7 +281,7 @@ class FastPath:
         self.settle()
         pipeline = self.tx.session.pipeline().open()
         try:
-            pipeline.copy(sql, data, rows)
+            pipeline.copy(sized_copy_sql(sql, rows), data, rows)
             pipeline.send_sync()
         except (RowCountMismatch, PipelineError) as exc:
             pipeline.abandon()

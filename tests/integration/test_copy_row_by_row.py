@@ -12,10 +12,10 @@ import struct
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from applier.apply.copy import ROW_BY_ROW_BELOW, copy_sql, sized_copy_sql
 from applier.embedded import Database
-from psycopg import sql
 
 ROWS = 2000
 assert ROWS < ROW_BY_ROW_BELOW

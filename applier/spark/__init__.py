@@ -2,8 +2,9 @@
 
 Owns: the quiet SparkSession factory (:mod:`.session`), consistent snapshot reads of replicated
 tables (:mod:`.reader`) in one exported snapshot with the source position it reflects
-(:mod:`.snapshot`) and lossless type handling (:mod:`.columns`), and the example pipeline job
-(:mod:`.pipeline`). Must never write to the replica, and must never be imported by the
+(:mod:`.snapshot`) and lossless type handling (:mod:`.columns`), the change feed read by LSN
+range (:mod:`.changes`) or as a Structured Streaming source (:mod:`.stream`), and the example
+pipeline job (:mod:`.pipeline`). Must never write to the replica, and must never be imported by the
 applier's data path; PySpark is imported only when a function here is called.
 """
 

@@ -44,7 +44,9 @@ if TYPE_CHECKING:
 
     from .snapshot import Snapshot
 
-__all__ = ["ChangeRange", "HistoryNotRetained", "change_range", "read_changes", "truncated"]
+__all__ = ["ChangeRange", "HistoryNotRetained", "change_queries", "change_range", "feed_history",
+           "lsn_bounds",
+           "read_changes", "truncated"]
 
 class HistoryNotRetained(LookupError):
     """The range asked for is not (or no longer) all in the change feed."""
@@ -70,11 +72,11 @@ def _lsn(value: str | int | LSN) -> LSN:
     return value if isinstance(value, LSN) else LSN(value) if isinstance(value, int) else LSN.parse(value)
 
 
-def change_range(snapshot: Snapshot, table: str, start_lsn: str | int | LSN,
-                 end_lsn: str | int | LSN | None = None) -> ChangeRange:
-    """Check ``(start_lsn, end_lsn]`` against what the feed retains in ``snapshot``."""
+def feed_history(snapshot: Snapshot, table: str) -> tuple[TableInfo, RetainedHistory]:
+    """``table`` and the history the feed retains of it, as ``snapshot`` sees them; raises
+    ``HistoryNotRetained`` when the feed does not record it, or not for one slot only."""
     info = describe_table(snapshot, table)
-    slots = {p.slot_name: p for p in snapshot.position.positions}
+    slots = [p.slot_name for p in snapshot.position.positions]
     found: list[RetainedHistory] = FeedRegistry(snapshot.connection).history(info.schema, info.name, slots)
     if not found:
         raise HistoryNotRetained(f"the change feed does not record {info.display} on this replica "
@@ -82,11 +84,18 @@ def change_range(snapshot: Snapshot, table: str, start_lsn: str | int | LSN,
     if len(found) > 1:
         raise HistoryNotRetained(f"{info.display} is recorded for several slots "
                                  f"({', '.join(h.slot for h in found)}): open the snapshot with slot=")
-    history = found[0]
     if not snapshot.history_locked:
         raise HistoryNotRetained("this snapshot was opened before the change feed existed, so its "
                                  "history is not held for it: open a new snapshot")
-    applied = LSN.parse(slots[history.slot].commit_lsn)
+    return info, found[0]
+
+
+def change_range(snapshot: Snapshot, table: str, start_lsn: str | int | LSN,
+                 end_lsn: str | int | LSN | None = None) -> ChangeRange:
+    """Check ``(start_lsn, end_lsn]`` against what the feed retains in ``snapshot``."""
+    info, history = feed_history(snapshot, table)
+    applied = next(LSN.parse(p.commit_lsn) for p in snapshot.position.positions
+                   if p.slot_name == history.slot)
     start = _lsn(start_lsn)
     end = applied if end_lsn is None else _lsn(end_lsn)
     if history.stopped_lsn is not None and end > history.stopped_lsn:
@@ -119,6 +128,23 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
     if fetchsize <= 0:
         raise ValueError("fetchsize must be positive: 0 makes pgjdbc buffer whole partitions in memory")
     span = change_range(snapshot, table, start_lsn, end_lsn)
+    queries = change_queries(snapshot, span, net=net, count=num_partitions or spark.sparkContext.defaultParallelism,
+                             probe=probe, text_columns=text_columns)
+    url, properties = jdbc_options(snapshot.dsn)
+    properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
+                   "preferTimestampNTZ": "true"}
+    frames = [spark.read.jdbc(url, query, properties=properties) for query in queries]
+    frame = frames[0]
+    for more in frames[1:]:
+        frame = frame.union(more)
+    return with_position(frame, snapshot.position, False, [])
+
+
+def change_queries(snapshot: Snapshot, span: ChangeRange, *, net: bool = False, count: int = 1,
+                   probe: bool = False, text_columns: Any = ()) -> list[str]:
+    """The reads of ``span`` (checked by :func:`change_range` in ``snapshot``), each a subquery
+    named ``applier_changes`` whose columns are those :func:`read_changes` documents: ``count``
+    ranges of commit LSNs, or with ``net`` ``count`` parts by a hash of the key."""
     if net and not span.table.key:
         raise ValueError(f"net=True needs a key: {span.table.display} has no primary key or "
                          "replica identity index")
@@ -138,27 +164,17 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
         after = (f"(change_commit_lsn > {snapshot.literal(lsn)}::pg_lsn OR (change_commit_lsn = "
                  f"{snapshot.literal(lsn)}::pg_lsn AND change_seq >= {int(seq)}))")
         where = f"{where} AND {after}"
-    url, properties = jdbc_options(snapshot.dsn)
-    properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
-                   "preferTimestampNTZ": "true"}
-    count = num_partitions or spark.sparkContext.defaultParallelism
     select = ", ".join(expressions)
     ends = _EndLsn(snapshot, span)
     if net:
-        queries = [ends.join(query, span.start, span.end)
-                   for query in _net_queries(span, recorded, select, where, count, last_truncate is not None)]
-    else:
-        # One read per range of commit LSNs, each with its range inside its own query:
-        # PostgreSQL then reads only the partitions (and BRIN ranges) it covers, which a
-        # predicate Spark adds around a subquery's computed column would not let it do.
-        queries = [ends.join(f"SELECT {select} FROM {span.qualified} c WHERE {where} AND "
-                             f"{_between(snapshot, 'change_commit_lsn', lo, hi)}", lo, hi)
-                   for lo, hi in _lsn_bounds(span.start, span.end, count)]
-    frames = [spark.read.jdbc(url, query, properties=properties) for query in queries]
-    frame = frames[0]
-    for more in frames[1:]:
-        frame = frame.union(more)
-    return with_position(frame, snapshot.position, False, [])
+        return [ends.join(query, span.start, span.end)
+                for query in _net_queries(span, recorded, select, where, count, last_truncate is not None)]
+    # One read per range of commit LSNs, each with its range inside its own query: PostgreSQL
+    # then reads only the partitions (and BRIN ranges) it covers, which a predicate Spark adds
+    # around a subquery's computed column would not let it do.
+    return [ends.join(f"SELECT {select} FROM {span.qualified} c WHERE {where} AND "
+                      f"{_between(snapshot, 'change_commit_lsn', lo, hi)}", lo, hi)
+            for lo, hi in lsn_bounds(span.start, span.end, count)]
 
 
 class _EndLsn:
@@ -192,7 +208,7 @@ def _between(snapshot: Snapshot, column: str, lo: LSN, hi: LSN) -> str:
             f"{column} <= {snapshot.literal(str(hi))}::pg_lsn")
 
 
-def _lsn_bounds(start: LSN, end: LSN, count: int) -> list[tuple[LSN, LSN]]:
+def lsn_bounds(start: LSN, end: LSN, count: int) -> list[tuple[LSN, LSN]]:
     """``(start, end]`` split into ``count`` ranges of commit LSNs (of equal WAL length: changes
     are spread over it as the source wrote them)."""
     count = max(1, min(count, int(end) - int(start)))

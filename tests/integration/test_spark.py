@@ -600,3 +600,168 @@ def test_net_changes_of_a_composite_key_with_awkward_names(spark, source_db, tar
     for (commit, end), (next_commit, _) in zip(ordered, ordered[1:] + [(1 << 64, 0)]):
         assert commit < end <= next_commit
     assert str(ordered[-1][1]) == target_db.query("SELECT end_lsn::text FROM applier.progress")[0][0]
+
+
+# -- the change feed as a Structured Streaming source ---------------------------------------------
+
+STREAM_DDL = ("CREATE TABLE events (id int PRIMARY KEY, v int, note text, u uuid, j jsonb, "
+              "amount numeric(10,2), at timestamptz, tags text[])")
+
+
+def _stream_setup(source_db, target_db, *worker_args: str) -> None:
+    from replication import create_slot, run_worker
+
+    source_db.execute(STREAM_DDL)
+    target_db.execute(STREAM_DDL)
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE events")
+    create_slot(source_db)
+    source_db.execute("INSERT INTO events SELECT g, g, 'n' || g, gen_random_uuid(), "
+                      "jsonb_build_object('g', g), g / 4.0, now(), ARRAY['a', g::text] "
+                      "FROM generate_series(1, 200) g")
+    run_worker(source_db, target_db, "--change-feed", "all", *worker_args)
+
+
+def _run_stream(frame, checkpoint, batches: dict) -> None:
+    """One availableNow run of ``frame`` into ``batches`` (batch id -> its rows), as a sink
+    keyed by batch id: a batch Spark runs again replaces what it wrote."""
+    def sink(batch, batch_id: int) -> None:
+        batches[batch_id] = batch.collect()
+
+    query = (frame.writeStream.foreachBatch(sink).option("checkpointLocation", str(checkpoint))
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+
+
+def _by_change(rows) -> dict:
+    keyed = {(int(r["change_position"]), r["change_seq"]): tuple(r) for r in rows}
+    assert len(keyed) == len(rows), "a change twice"
+    return keyed
+
+
+def test_change_stream_gives_each_change_once_across_restarts_and_a_batch_run_again(
+        spark, source_db, target_db, tmp_path) -> None:
+    """A checkpointed streaming query of the feed delivers every change after its start exactly
+    once, in the columns and types of read_changes, whatever rounds of changes and restarts come;
+    a batch Spark runs again after a crash (its commit not recorded) reads the same changes even
+    though more were applied since."""
+    from replication import run_worker
+
+    from applier.spark.changes import read_changes
+    from applier.spark.stream import read_change_stream
+
+    _stream_setup(source_db, target_db)
+    start = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0][0]
+    frame = read_change_stream(spark, target_db.dsn, "public.events", num_partitions=3)  # latest
+    checkpoint, batches = tmp_path / "checkpoint", {}
+    _run_stream(frame, checkpoint, batches)
+    assert sum(len(rows) for rows in batches.values()) == 0  # nothing after the start yet
+
+    rounds = [["UPDATE events SET v = v + 1, j = j || '{\"x\": 1}' WHERE id % 3 = 0",
+               "DELETE FROM events WHERE id % 7 = 0",
+               "INSERT INTO events VALUES (1000, 1, NULL, NULL, NULL, NULL, NULL, NULL)"],
+              ["UPDATE events SET id = id + 5000 WHERE id = 10", "TRUNCATE events",
+               "INSERT INTO events SELECT g, g FROM generate_series(1, 50) g"]]
+    for statements in rounds:
+        for statement in statements:
+            source_db.execute(statement)
+        run_worker(source_db, target_db, "--change-feed", "all")
+        _run_stream(frame, checkpoint, batches)
+    last = max(batches)
+    replayed = batches[last]
+    assert replayed, "the last round's batch holds its changes"
+    # A crash after the batch ran but before Spark recorded its commit: Spark runs it again with
+    # the offsets it logged, after more changes were applied.
+    for name in (str(last), f".{last}.crc"):  # the commit and Hadoop's checksum of it
+        (checkpoint / "commits" / name).unlink()
+    source_db.execute("UPDATE events SET note = 'after' WHERE id <= 5")
+    run_worker(source_db, target_db, "--change-feed", "all")
+    _run_stream(frame, checkpoint, batches)
+    assert sorted(batches[last]) == sorted(replayed)
+    assert max(batches) == last + 1 and len(batches[last + 1]) == 5
+
+    streamed = [row for rows in batches.values() for row in rows]
+    with open_snapshot(target_db.dsn) as snap:
+        expected = read_changes(spark, "public.events", snap, start_lsn=start)
+        assert [(f.name, f.dataType) for f in frame.schema.fields] == \
+            [(f.name, f.dataType) for f in expected.schema.fields]
+        expected_rows = expected.collect()
+    assert _by_change(streamed) == _by_change(expected_rows)
+    ops = {r["change_op"] for r in streamed}
+    assert ops == {"I", "U", "D", "T"}
+    # The key change, in its transaction's order: the old key as a delete, the new row as an
+    # update, its whole row (unchanged values, uuid and jsonb as text) carried.
+    new_row = next(r for r in streamed if r["id"] == 5010)
+    moved = sorted((r["change_seq"], r["change_op"], r["id"]) for r in streamed
+                   if r["change_position"] == new_row["change_position"])
+    assert [(op, key) for _, op, key in moved] == [("D", 10), ("U", 5010)]
+    assert (new_row["v"], new_row["note"], new_row["j"], new_row["tags"]) == (10, "n10", '{"g": 10}', ["a", "10"])
+    assert isinstance(new_row["u"], str) and len(new_row["u"]) == 36
+
+
+def test_change_stream_never_starts_or_resumes_past_lost_history(spark, source_db, target_db,
+                                                                  tmp_path) -> None:
+    """A start older than the retained history fails at once, naming what is retained; a
+    stopped query whose next changes retention dropped fails when it resumes, and reads nothing
+    partial; "earliest" starts at the retained history."""
+    from datetime import UTC, datetime, timedelta
+
+    import psycopg
+    from feed_checks import change_table
+    from replication import run_worker
+
+    from applier.progress.feed_registry import FeedRegistry
+    from applier.spark.changes import HistoryNotRetained
+    from applier.spark.stream import read_change_stream
+
+    # A short retention sizes partitions small (64 kB of WAL), so a few rounds make several.
+    _stream_setup(source_db, target_db, "--change-feed-retention", "7s")
+    with pytest.raises(HistoryNotRetained, match="does not record public.orders"):
+        target_db.execute("CREATE TABLE orders (id int PRIMARY KEY)")
+        read_change_stream(spark, target_db.dsn, "public.orders")
+
+    frame = read_change_stream(spark, target_db.dsn, "public.events", starting_lsn="earliest")
+    batches: dict = {}
+    _run_stream(frame, tmp_path / "checkpoint", batches)
+    assert sum(len(rows) for rows in batches.values()) == 200  # the first inserts
+    read_up_to = target_db.query("SELECT commit_lsn FROM applier.progress")[0][0]
+
+    def write_and_prune(rounds: int) -> None:
+        for n in range(rounds):
+            source_db.execute("UPDATE events SET note = repeat(%s, 400)", (str(n),))
+            run_worker(source_db, target_db, "--change-feed", "all", "--change-feed-retention", "7s")
+        with psycopg.connect(target_db.dsn) as conn:  # retention, as if a day had passed
+            FeedRegistry(conn).prune("s", 7, datetime.now(UTC) + timedelta(days=1))
+
+    def retained():
+        return target_db.query("SELECT retained_after FROM applier.change_tables")[0][0]
+
+    def applied():
+        return target_db.query("SELECT commit_lsn FROM applier.progress")[0][0]
+
+    write_and_prune(4)
+    assert retained() > read_up_to, "the test needs the stream's next changes dropped"
+    with pytest.raises(Exception, match="are not all retained"):
+        _run_stream(frame, tmp_path / "checkpoint", batches)
+    assert sum(len(rows) for rows in batches.values()) == 200  # nothing partial was delivered
+    with pytest.raises(HistoryNotRetained, match=f"holds those committed after {retained()}"):
+        read_change_stream(spark, target_db.dsn, "public.events", starting_lsn=str(read_up_to))
+
+    # Started at the retained history; then retention drops its start but nothing after its
+    # checkpoint: it resumes from the checkpoint.
+    write_and_prune(0)
+    for n in range(4):
+        source_db.execute("UPDATE events SET note = repeat(%s, 400)", (str(n),))
+        run_worker(source_db, target_db, "--change-feed", "all", "--change-feed-retention", "7s")
+    first = retained()
+    frame = read_change_stream(spark, target_db.dsn, "public.events", starting_lsn="earliest")
+    batches = {}
+    _run_stream(frame, tmp_path / "checkpoint-2", batches)
+    kept = target_db.query(f"SELECT count(*) FROM {change_table('events')}")[0][0]
+    assert sum(len(rows) for rows in batches.values()) == kept > 0
+    checkpointed = applied()
+    write_and_prune(0)
+    assert first < retained() < checkpointed, "the test needs the start, not the checkpoint, dropped"
+    source_db.execute("UPDATE events SET v = -v WHERE id <= 3")
+    run_worker(source_db, target_db, "--change-feed", "all", "--change-feed-retention", "7s")
+    _run_stream(frame, tmp_path / "checkpoint-2", batches)
+    assert sorted(r["v"] for r in batches[max(batches)]) == [-3, -2, -1]

@@ -1,0 +1,187 @@
+"""The change feed as a Structured Streaming source: a streaming DataFrame of a table's changes,
+read by micro-batches of commit LSNs, exactly once with a checkpointed query.
+
+Usage::
+
+    with open_snapshot(replica_dsn) as snap:          # optional: a table read, then its changes
+        read_table(spark, "public.orders", snap).write.parquet(base)
+        since = snap.position.positions[0].commit_lsn
+    changes = read_change_stream(spark, replica_dsn, "public.orders", starting_lsn=since)
+    (changes.writeStream.format("parquet").option("path", out)
+        .option("checkpointLocation", checkpoint).trigger(availableNow=True).start())
+
+Offsets are commit LSNs: a micro-batch holds every change committed after its start and up to
+its end, the position the replica had applied when Spark planned it (the slot's
+``applier.progress`` row; changes up to it are committed and never change afterwards, so a batch
+read again after a crash gives the same rows). With a checkpoint and a sink Spark writes exactly
+once (files, ``foreachBatch`` keyed by batch id), each change reaches the output once. A start
+older than the feed's retained history fails (``HistoryNotRetained``), when the query starts and
+whenever a stopped query resumes after retention dropped what it had not read: never a silently
+partial stream.
+
+Owns: the Python data source ``applier_changes`` (Spark 4.2 or later, with pyarrow) and
+:func:`read_change_stream`, which checks the table and the start on the driver and fixes the
+stream's columns: those of :func:`read_changes` (same names and Spark types, taken from a JDBC
+read of the change table), as the table is when the query starts (a column added later reaches
+the stream when the query restarts). Spark runs a Python source's reads in its Python workers,
+where the JDBC reader does not exist: each range is read there with psycopg, in a snapshot that
+holds the feed's history lock, through the same query :func:`read_changes` sends over JDBC.
+Must never write to the replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+from pyspark.sql.types import StringType, StructType
+
+from ..protocol.lsn import LSN
+from ..quoting import ident
+from .changes import change_queries, change_range, feed_history, lsn_bounds
+from .reader import DEFAULT_FETCHSIZE, jdbc_options
+from .snapshot import Snapshot, open_snapshot
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+__all__ = ["SOURCE_NAME", "ChangeFeedSource", "read_change_stream"]
+
+SOURCE_NAME = "applier_changes"
+
+
+@dataclass(frozen=True)
+class _Range(InputPartition):
+    """Changes committed in ``(start, end]`` (LSNs as text)."""
+
+    start: str
+    end: str
+
+
+class _Options:
+    """The source's options, as Spark hands them over (strings)."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        missing = [name for name in ("dsn", "table", "starting_lsn") if not options.get(name)]
+        if missing:
+            raise ValueError(f"the {SOURCE_NAME} source needs {', '.join(missing)}: create it with "
+                             "applier.spark.stream.read_change_stream()")
+        self.dsn = options["dsn"]
+        self.table = options["table"]
+        self.slot = options.get("slot") or None
+        self.starting_lsn = options["starting_lsn"]
+        self.partitions = int(options.get("partitions") or 1)
+        self.fetchsize = int(options.get("fetchsize") or DEFAULT_FETCHSIZE)
+        self.text_columns = self.columns_as_text(options.get("text_columns") or "")
+
+    @staticmethod
+    def columns_as_text(option: str) -> Any:
+        """``"*"``, or the column names joined by NUL (no identifier holds one)."""
+        return "*" if option == "*" else [c for c in option.split("\0") if c]
+
+
+def _applied_position(snap: Snapshot, table: str, start: str | None) -> LSN:
+    """How far the feed of ``table`` goes in ``snap``: the slot's applied position (or where the
+    feed stopped); checked against ``start`` when given."""
+    return change_range(snap, table, start or feed_history(snap, table)[1].retained_after).end
+
+
+class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    def __init__(self, options: _Options, schema: StructType) -> None:
+        self.options = options
+        self.target: LSN | None = None  # Trigger.AvailableNow: what was applied when it began
+        # Each column as the read delivers it: a string column as PostgreSQL's text of it (uuid,
+        # json and jsonb too, which psycopg would otherwise return as objects).
+        self.projection = ", ".join(
+            f"applier_changes.{ident(f.name)}{'::text' if isinstance(f.dataType, StringType) else ''}"
+            for f in schema.fields)
+
+    def initialOffset(self) -> dict[str, str]:
+        return {"lsn": self.options.starting_lsn}
+
+    def _applied(self, start: str | None) -> LSN:
+        # Every change committed up to the applied position is on the replica for good; the
+        # check fails when retention dropped changes after ``start`` while the query was stopped.
+        with open_snapshot(self.options.dsn, slot=self.options.slot) as snap:
+            return _applied_position(snap, self.options.table, start)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        # Not checked against the starting LSN: a query resumed from its checkpoint may be far past it.
+        self.target = self._applied(None)
+
+    def latestOffset(self, start: dict[str, str], limit: Any) -> dict[str, str]:
+        end = self._applied(start["lsn"])
+        if self.target is not None:
+            end = max(LSN.parse(start["lsn"]), min(end, self.target))
+        return {"lsn": str(end)}
+
+    def partitions(self, start: dict[str, str], end: dict[str, str]) -> list[_Range]:
+        lo, hi = LSN.parse(start["lsn"]), LSN.parse(end["lsn"])
+        if hi <= lo:
+            return []
+        return [_Range(str(a), str(b)) for a, b in lsn_bounds(lo, hi, self.options.partitions)]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+        assert isinstance(partition, _Range)
+        with open_snapshot(self.options.dsn, slot=self.options.slot) as snap:
+            span = change_range(snap, self.options.table, partition.start, partition.end)
+            query = change_queries(snap, span, text_columns=self.options.text_columns)[0]
+            with snap.connection.cursor(name="applier_change_stream") as cursor:
+                cursor.itersize = self.options.fetchsize
+                cursor.execute(f"SELECT {self.projection} FROM {query}")
+                yield from cursor
+
+    def commit(self, end: dict[str, str]) -> None:
+        """Nothing to release: the replica keeps the history for its retention, not for us."""
+
+
+class ChangeFeedSource(DataSource):
+    """``spark.readStream.format("applier_changes")``: see :func:`read_change_stream`."""
+
+    @classmethod
+    def name(cls) -> str:
+        return SOURCE_NAME
+
+    def schema(self) -> StructType:
+        raise ValueError(f"the {SOURCE_NAME} source takes its columns from the change table: "
+                         "create it with applier.spark.stream.read_change_stream()")
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return _ChangeStreamReader(_Options(dict(self.options)), schema)
+
+
+def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
+                       starting_lsn: str | int | LSN = "latest", slot: str | None = None,
+                       num_partitions: int | None = None, fetchsize: int = DEFAULT_FETCHSIZE,
+                       text_columns: Any = ()) -> DataFrame:
+    """A streaming DataFrame of the changes of ``table`` committed after ``starting_lsn``:
+    ``"latest"`` (what the replica has applied now), ``"earliest"`` (the oldest change the feed
+    retains) or an LSN (e.g. the position of a ``read_table`` snapshot). Columns as
+    :func:`read_changes` gives them (``text_columns`` likewise). Raises ``HistoryNotRetained`` now
+    if the feed does not hold every change after the start; a query restarted from its
+    checkpoint resumes from there instead."""
+    if fetchsize <= 0:
+        raise ValueError("fetchsize must be positive")
+    text = "*" if text_columns == "*" else "\0".join(text_columns)
+    with open_snapshot(dsn, slot=slot) as snap:
+        start: str | int | LSN = starting_lsn
+        if starting_lsn == "earliest":
+            start = feed_history(snap, table)[1].retained_after
+        elif starting_lsn == "latest":
+            start = _applied_position(snap, table, None)
+        span = change_range(snap, table, start)
+        # The columns and their Spark types as Spark's JDBC reader maps them for read_changes
+        # (resolving a JDBC read's schema reads no row).
+        url, properties = jdbc_options(dsn)
+        properties |= {"sessionInitStatement": snap.session_init_statement, "preferTimestampNTZ": "true"}
+        empty = change_queries(snap, replace(span, start=span.end),
+                               text_columns=_Options.columns_as_text(text))[0]
+        schema = spark.read.jdbc(url, empty, properties=properties).schema
+    spark.dataSource.register(ChangeFeedSource)
+    options = {"dsn": dsn, "table": table, "slot": slot or "", "starting_lsn": str(span.start),
+               "partitions": str(num_partitions or spark.sparkContext.defaultParallelism),
+               "fetchsize": str(fetchsize), "text_columns": text}
+    return spark.readStream.format(SOURCE_NAME).schema(schema).options(**options).load()

@@ -44,9 +44,17 @@ if TYPE_CHECKING:
 
     from .snapshot import Snapshot
 
-__all__ = ["ChangeRange", "HistoryNotRetained", "change_queries", "change_range", "feed_history",
+__all__ = ["PLAN_SETTINGS", "ChangeRange", "HistoryNotRetained", "change_queries", "change_range", "feed_history",
            "lsn_bounds",
            "read_changes", "truncated"]
+
+#: Run in the transaction of every read of change rows. Each read joins the change rows to their
+#: transactions' end LSNs; the newest changes lie past the change table's statistics (or it has
+#: none yet), so PostgreSQL estimates a few rows and may pick a nested loop that goes through
+#: every end LSN of the range for each change row: 15 s instead of 1.1 s for 300,000 changes of
+#: 300 transactions. A hash or merge join costs the same whatever the estimate.
+PLAN_SETTINGS = "SET LOCAL enable_nestloop = off"
+
 
 class HistoryNotRetained(LookupError):
     """The range asked for is not (or no longer) all in the change feed."""
@@ -131,8 +139,8 @@ def read_changes(spark: SparkSession, table: str, snapshot: Snapshot, *,
     queries = change_queries(snapshot, span, net=net, count=num_partitions or spark.sparkContext.defaultParallelism,
                              probe=probe, text_columns=text_columns)
     url, properties = jdbc_options(snapshot.dsn)
-    properties |= {"fetchsize": str(fetchsize), "sessionInitStatement": snapshot.session_init_statement,
-                   "preferTimestampNTZ": "true"}
+    properties |= {"fetchsize": str(fetchsize), "preferTimestampNTZ": "true",
+                   "sessionInitStatement": f"{snapshot.session_init_statement}; {PLAN_SETTINGS}"}
     frames = [spark.read.jdbc(url, query, properties=properties) for query in queries]
     frame = frames[0]
     for more in frames[1:]:

@@ -35,13 +35,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StringType, StructType
 
 from ..protocol.lsn import LSN
 from ..quoting import ident
-from .changes import change_queries, change_range, feed_history, lsn_bounds
+from .changes import PLAN_SETTINGS, change_queries, change_range, feed_history, lsn_bounds
 from .reader import DEFAULT_FETCHSIZE, jdbc_options
 from .snapshot import Snapshot, open_snapshot
 
@@ -98,6 +100,7 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.projection = ", ".join(
             f"applier_changes.{ident(f.name)}{'::text' if isinstance(f.dataType, StringType) else ''}"
             for f in schema.fields)
+        self.arrow_schema = to_arrow_schema(schema, timezone="UTC")  # as Spark checks batches
 
     def initialOffset(self) -> dict[str, str]:
         return {"lsn": self.options.starting_lsn}
@@ -124,15 +127,21 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return []
         return [_Range(str(a), str(b)) for a, b in lsn_bounds(lo, hi, self.options.partitions)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, _Range)
         with open_snapshot(self.options.dsn, slot=self.options.slot) as snap:
             span = change_range(snap, self.options.table, partition.start, partition.end)
             query = change_queries(snap, span, text_columns=self.options.text_columns)[0]
+            snap.connection.execute(PLAN_SETTINGS)
             with snap.connection.cursor(name="applier_change_stream") as cursor:
-                cursor.itersize = self.options.fetchsize
                 cursor.execute(f"SELECT {self.projection} FROM {query}")
-                yield from cursor
+                # Arrow batches built a column at a time in C: handing Spark tuples would
+                # convert each value in Python.
+                while rows := cursor.fetchmany(self.options.fetchsize):
+                    yield pa.RecordBatch.from_arrays(
+                        [pa.array(values, type=field.type)
+                         for values, field in zip(zip(*rows), self.arrow_schema)],
+                        schema=self.arrow_schema)
 
     def commit(self, end: dict[str, str]) -> None:
         """Nothing to release: the replica keeps the history for its retention, not for us."""

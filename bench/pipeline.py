@@ -12,7 +12,8 @@ copies it (nothing streams after the copy: the pipeline starts from the copy's p
 *Whole processes* (as from cron), each round:
 
 1. on the source, ``--change-fraction`` of the rows change: a third deleted, a third updated
-   (each moved to another group, its amount changed), a third inserted, picked at random; the
+   (each moved to another group, its amount changed), a third inserted, picked at random, in
+   one transaction each or (``--rows-per-transaction``) in transactions of that many rows; the
    groups those changes touch (before and after) are counted;
 2. ``applier run --change-feed all --exit-when-caught-up`` applies them (no worker runs while
    the pipelines are timed);
@@ -97,22 +98,30 @@ def load(dsn: str, rows: int, groups: int) -> None:
         conn.execute(f"VACUUM ANALYZE {TABLE}")
 
 
-def change(dsn: str, rows: int, fraction: float, groups: int) -> tuple[int, int]:
-    """Delete, update (moving groups) and insert ``rows * fraction`` rows in all, one transaction
-    each; returns (rows changed, distinct groups touched before or after)."""
+def change(dsn: str, rows: int, fraction: float, groups: int, per_transaction: int) -> tuple[int, int]:
+    """Delete, update (moving groups) and insert ``rows * fraction`` rows in all: one transaction
+    each, or (``per_transaction``) transactions of that many rows; returns (rows changed, distinct
+    groups touched before or after)."""
     third = max(1, round(rows * fraction / 3))
+    step = per_transaction or third
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE TEMP TABLE picked AS SELECT id, grp, row_number() OVER () AS n "
                      f"FROM (SELECT id, grp FROM {TABLE} ORDER BY random() LIMIT {2 * third}) p")
-        conn.execute(f"DELETE FROM {TABLE} t USING picked p WHERE t.id = p.id AND p.n <= {third}")
-        moved = conn.execute(
-            f"UPDATE {TABLE} t SET grp = (t.grp + 1 + floor(random() * {groups - 1})::int) % {groups}, "
-            f"amount = t.amount + 1.25 FROM picked p WHERE t.id = p.id AND p.n > {third} "
-            "RETURNING t.grp").fetchall()
         top = conn.execute(f"SELECT max(id) FROM {TABLE}").fetchone()[0]
-        inserted = conn.execute(
-            f"INSERT INTO {TABLE} SELECT g, floor(random() * {groups})::int, (g % 10000) / 100.0, "
-            f"repeat('y', 80) FROM generate_series({top + 1}, {top + third}) g RETURNING grp").fetchall()
+        moved: list[tuple[int]] = []
+        inserted: list[tuple[int]] = []
+        for first in range(0, third, step):
+            last = min(third, first + step)
+            conn.execute(f"DELETE FROM {TABLE} t USING picked p WHERE t.id = p.id "
+                         f"AND p.n > {first} AND p.n <= {last}")
+            moved += conn.execute(
+                f"UPDATE {TABLE} t SET grp = (t.grp + 1 + floor(random() * {groups - 1})::int) % {groups}, "
+                f"amount = t.amount + 1.25 FROM picked p WHERE t.id = p.id AND p.n > {third + first} "
+                f"AND p.n <= {third + last} RETURNING t.grp").fetchall()
+            inserted += conn.execute(
+                f"INSERT INTO {TABLE} SELECT g, floor(random() * {groups})::int, (g % 10000) / 100.0, "
+                f"repeat('y', 80) FROM generate_series({top + first + 1}, {top + last}) g "
+                "RETURNING grp").fetchall()
         before = {g for (g,) in conn.execute("SELECT grp FROM picked")}
         conn.execute("DROP TABLE picked")
     return 3 * third, len(before | {g for (g,) in moved} | {g for (g,) in inserted})
@@ -161,6 +170,9 @@ def main() -> int:
     parser.add_argument("--change-fraction", type=float, default=0.01,
                         help="share of --rows changed before each timed round, in equal thirds "
                              "deletes, updates that move rows to another group, and inserts")
+    parser.add_argument("--rows-per-transaction", type=int, default=0,
+                        help="rows each source transaction of a change deletes, updates or inserts "
+                             "(0: one transaction for each of the three)")
     parser.add_argument("--groups", type=int, default=1000,
                         help="distinct values of the group column")
     parser.add_argument("--repeat", type=int, default=3,
@@ -170,8 +182,10 @@ def main() -> int:
     parser.add_argument("--master", default="local[*]",
                         help="Spark master URL of every pipeline run and of the trivial Spark job")
     args = parser.parse_args()
-    if not (0 < args.change_fraction < 1 and args.rows > 0 and args.groups > 1 and args.repeat > 0):
-        parser.error("need 0 < --change-fraction < 1, --rows > 0, --groups > 1, --repeat > 0")
+    if not (0 < args.change_fraction < 1 and args.rows > 0 and args.groups > 1 and args.repeat > 0
+            and args.rows_per_transaction >= 0):
+        parser.error("need 0 < --change-fraction < 1, --rows > 0, --groups > 1, --repeat > 0, "
+                     "--rows-per-transaction >= 0")
     print(header(args.pg_version, args.master), flush=True)
     source = start_server(args.pg_version, SOURCE_SETTINGS, name="bench-pipe-src")
     target = start_server(args.pg_version, TARGET_SETTINGS, name="bench-pipe-tgt")
@@ -202,7 +216,7 @@ def main() -> int:
                                                         "spark", "ratio")}
         ok = True
         for round_ in range(args.repeat):
-            changed, hit = change(src, args.rows, args.change_fraction, args.groups)
+            changed, hit = change(src, args.rows, args.change_fraction, args.groups, args.rows_per_transaction)
             apply_seconds, _ = applier("run", *worker)
             states = {}
             order = ["incremental", "full"] if round_ % 2 == 0 else ["full", "incremental"]
@@ -246,7 +260,7 @@ def main() -> int:
         tracker = spark.sparkContext.statusTracker()
         session: dict[str, list[float]] = {k: [] for k in ("incremental", "full", "ratio")}
         for round_ in range(args.repeat + 1):
-            changed, _ = change(src, args.rows, args.change_fraction, args.groups)
+            changed, _ = change(src, args.rows, args.change_fraction, args.groups, args.rows_per_transaction)
             apply_seconds, _ = applier("run", *worker)
             states, took, jobs = {}, {}, {}
             for name in (["incremental", "full"] if round_ % 2 == 0 else ["full", "incremental"]):

@@ -35,12 +35,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import psycopg
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
 from pyspark.sql.types import StringType, StructType
 
+from ..connections import connect
 from ..protocol.lsn import LSN
 from ..quoting import ident
 from .changes import PLAN_SETTINGS, change_queries, change_range, feed_history, lsn_bounds
@@ -67,13 +69,13 @@ class _Options:
     """The source's options, as Spark hands them over (strings)."""
 
     def __init__(self, options: dict[str, str]) -> None:
-        missing = [name for name in ("dsn", "table", "starting_lsn") if not options.get(name)]
+        missing = [name for name in ("dsn", "table", "slot", "starting_lsn") if not options.get(name)]
         if missing:
             raise ValueError(f"the {SOURCE_NAME} source needs {', '.join(missing)}: create it with "
                              "applier.spark.stream.read_change_stream()")
         self.dsn = options["dsn"]
         self.table = options["table"]
-        self.slot = options.get("slot") or None
+        self.slot = options.get("slot", "")
         self.starting_lsn = options["starting_lsn"]
         self.partitions = int(options.get("partitions") or 1)
         self.fetchsize = int(options.get("fetchsize") or DEFAULT_FETCHSIZE)
@@ -91,10 +93,39 @@ def _applied_position(snap: Snapshot, table: str, start: str | None) -> LSN:
     return change_range(snap, table, start or feed_history(snap, table)[1].retained_after).end
 
 
+class _AppliedPoller:
+    """The slot's applied position, read on one connection kept for the query's life: while no
+    change comes, Spark asks for the latest offset many times a second, and a snapshot opened
+    each time cost the replica 45 new sessions a second."""
+
+    def __init__(self, dsn: str, slot: str) -> None:
+        self.dsn, self.slot = dsn, slot
+        self.conn: psycopg.Connection[Any] | None = None
+
+    def applied(self) -> str | None:
+        if self.conn is None or self.conn.closed:
+            self.conn = connect(self.dsn, autocommit=True, application_name="applier change stream")
+        try:
+            row = self.conn.execute("SELECT commit_lsn::text FROM applier.progress WHERE slot_name = %s",
+                                    (self.slot,)).fetchone()
+        except psycopg.Error:
+            self.close()  # a new connection next time
+            raise
+        return None if row is None else str(row[0])
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: _Options, schema: StructType) -> None:
         self.options = options
         self.target: LSN | None = None  # Trigger.AvailableNow: what was applied when it began
+        self.poller = _AppliedPoller(options.dsn, options.slot)
+        # The applied position at the last full check (a snapshot), and the end it gave.
+        self.checked: tuple[str | None, LSN] | None = None
         # Each column as the read delivers it: a string column as PostgreSQL's text of it (uuid,
         # json and jsonb too, which psycopg would otherwise return as objects).
         self.projection = ", ".join(
@@ -116,7 +147,12 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.target = self._applied(None)
 
     def latestOffset(self, start: dict[str, str], limit: Any) -> dict[str, str]:
-        end = self._applied(start["lsn"])
+        applied = self.poller.applied()
+        if self.checked is None or self.checked[0] != applied:
+            # Something was applied since the last check (or this is the first): check the
+            # history and find the end in a snapshot, once for each new position.
+            self.checked = (applied, self._applied(start["lsn"]))
+        end = max(LSN.parse(start["lsn"]), self.checked[1])
         if self.target is not None:
             end = max(LSN.parse(start["lsn"]), min(end, self.target))
         return {"lsn": str(end)}
@@ -145,6 +181,9 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def commit(self, end: dict[str, str]) -> None:
         """Nothing to release: the replica keeps the history for its retention, not for us."""
+
+    def stop(self) -> None:
+        self.poller.close()
 
 
 class ChangeFeedSource(DataSource):
@@ -176,9 +215,10 @@ def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
         raise ValueError("fetchsize must be positive")
     text = "*" if text_columns == "*" else "\0".join(text_columns)
     with open_snapshot(dsn, slot=slot) as snap:
+        history = feed_history(snap, table)[1]
         start: str | int | LSN = starting_lsn
         if starting_lsn == "earliest":
-            start = feed_history(snap, table)[1].retained_after
+            start = history.retained_after
         elif starting_lsn == "latest":
             start = _applied_position(snap, table, None)
         span = change_range(snap, table, start)
@@ -190,7 +230,7 @@ def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
                                text_columns=_Options.columns_as_text(text))[0]
         schema = spark.read.jdbc(url, empty, properties=properties).schema
     spark.dataSource.register(ChangeFeedSource)
-    options = {"dsn": dsn, "table": table, "slot": slot or "", "starting_lsn": str(span.start),
+    options = {"dsn": dsn, "table": table, "slot": history.slot, "starting_lsn": str(span.start),
                "partitions": str(num_partitions or spark.sparkContext.defaultParallelism),
                "fetchsize": str(fetchsize), "text_columns": text}
     return spark.readStream.format(SOURCE_NAME).schema(schema).options(**options).load()

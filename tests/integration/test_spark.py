@@ -765,3 +765,35 @@ def test_change_stream_never_starts_or_resumes_past_lost_history(spark, source_d
     run_worker(source_db, target_db, "--change-feed", "all", "--change-feed-retention", "7s")
     _run_stream(frame, tmp_path / "checkpoint-2", batches)
     assert sorted(r["v"] for r in batches[max(batches)]) == [-3, -2, -1]
+
+
+def test_an_idle_change_stream_polls_on_one_connection_and_picks_up_new_changes(
+        spark, source_db, target_db, tmp_path) -> None:
+    """While nothing changes, Spark asks the source for its latest offset many times a second:
+    the stream asks the replica on one connection, not a new session each time; changes applied
+    later still reach the running query."""
+    from replication import run_worker
+
+    from applier.spark.stream import read_change_stream
+
+    _stream_setup(source_db, target_db)
+    frame = read_change_stream(spark, target_db.dsn, "public.events")
+    seen: list = []
+    query = (frame.writeStream.foreachBatch(lambda batch, _: seen.extend(batch.collect()))
+             .option("checkpointLocation", str(tmp_path / "checkpoint")).start())
+    try:
+        query.processAllAvailable()
+
+        def sessions() -> int:
+            return target_db.query("SELECT sessions FROM pg_stat_database "
+                                   "WHERE datname = current_database()")[0][0]
+
+        before = sessions()
+        time.sleep(3)
+        assert sessions() - before <= 2  # the two queries of sessions() itself
+        source_db.execute("UPDATE events SET v = -v WHERE id <= 10")
+        run_worker(source_db, target_db, "--change-feed", "all")
+        query.processAllAvailable()
+        assert sorted(r["v"] for r in seen) == list(range(-10, 0))
+    finally:
+        query.stop()

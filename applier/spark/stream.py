@@ -22,8 +22,9 @@ partial stream.
 Owns: the Python data source ``applier_changes`` (Spark 4.2 or later, with pyarrow) and
 :func:`read_change_stream`, which checks the table and the start on the driver and fixes the
 stream's columns: those of :func:`read_changes` (same names and Spark types, taken from a JDBC
-read of the change table), as the table is when the query starts (a column added later reaches
-the stream when the query restarts). Spark runs a Python source's reads in its Python workers,
+read of the change table), as the table is when the query starts: a column added later reaches
+the stream when the query starts again, and a value that no longer fits its column's type (a
+type widened since) stops the query with ``ColumnDoesNotFit``, saying to start it again. Spark runs a Python source's reads in its Python workers,
 where the JDBC reader does not exist: each range is read there with psycopg, in a snapshot that
 holds the feed's history lock, through the same query :func:`read_changes` sends over JDBC.
 Must never write to the replica.
@@ -52,9 +53,13 @@ from .snapshot import Snapshot, open_snapshot
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
-__all__ = ["SOURCE_NAME", "ChangeFeedSource", "read_change_stream"]
+__all__ = ["SOURCE_NAME", "ChangeFeedSource", "ColumnDoesNotFit", "read_change_stream"]
 
 SOURCE_NAME = "applier_changes"
+
+
+class ColumnDoesNotFit(ValueError):
+    """A value read does not fit the type the stream fixed for its column when it started."""
 
 
 @dataclass(frozen=True)
@@ -174,10 +179,21 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 # Arrow batches built a column at a time in C: handing Spark tuples would
                 # convert each value in Python.
                 while rows := cursor.fetchmany(self.options.fetchsize):
-                    yield pa.RecordBatch.from_arrays(
-                        [pa.array(values, type=field.type)
-                         for values, field in zip(zip(*rows), self.arrow_schema)],
-                        schema=self.arrow_schema)
+                    yield self._batch(rows)
+
+    def _batch(self, rows: list[tuple[Any, ...]]) -> pa.RecordBatch:
+        arrays = []
+        for values, field in zip(zip(*rows), self.arrow_schema):
+            try:
+                arrays.append(pa.array(values, type=field.type))
+            except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+                raise ColumnDoesNotFit(
+                    f"a value of column {field.name} of {self.options.table} does not fit the "
+                    f"stream's type for it, {field.type} ({exc}). If the column's type changed on "
+                    "the replica after the query started, start the query again "
+                    "(read_change_stream) to read the columns as they are now; a value Spark "
+                    "cannot represent (NaN, infinity) reads as text (text_columns)") from exc
+        return pa.RecordBatch.from_arrays(arrays, schema=self.arrow_schema)
 
     def commit(self, end: dict[str, str]) -> None:
         """Nothing to release: the replica keeps the history for its retention, not for us."""

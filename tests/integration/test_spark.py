@@ -797,3 +797,47 @@ def test_an_idle_change_stream_polls_on_one_connection_and_picks_up_new_changes(
         assert sorted(r["v"] for r in seen) == list(range(-10, 0))
     finally:
         query.stop()
+
+
+def test_a_change_stream_across_schema_changes(spark, source_db, target_db, tmp_path) -> None:
+    """A running query keeps the columns it started with: a column added on the source is left
+    out; a widened column whose new values no longer fit stops it with an error saying to start
+    it again, and started again from its checkpoint it reads that batch with the columns as they
+    are now, the added one included."""
+    from replication import run_worker
+
+    from applier.spark.stream import read_change_stream
+
+    _stream_setup(source_db, target_db)
+    checkpoint = tmp_path / "checkpoint"
+    seen: list = []
+
+    def start():
+        frame = read_change_stream(spark, target_db.dsn, "public.events")
+        return (frame.writeStream.foreachBatch(lambda batch, _: seen.extend(batch.collect()))
+                .option("checkpointLocation", str(checkpoint)).start())
+
+    query = start()
+    try:
+        query.processAllAvailable()
+        source_db.execute("ALTER TABLE events ADD COLUMN extra text")
+        source_db.execute("UPDATE events SET extra = 'x', v = v + 100 WHERE id <= 3")
+        run_worker(source_db, target_db, "--change-feed", "all")
+        query.processAllAvailable()
+        assert sorted(r["v"] for r in seen) == [101, 102, 103]
+        assert "extra" not in seen[0].asDict()
+        source_db.execute("ALTER TABLE events ALTER COLUMN v TYPE bigint")
+        source_db.execute("UPDATE events SET v = 5000000000 WHERE id = 1")
+        run_worker(source_db, target_db, "--change-feed", "all")
+        with pytest.raises(Exception, match="does not fit the stream's type") as failed:
+            query.processAllAvailable()
+        assert "start the query again" in str(failed.value)
+    finally:
+        query.stop()
+    query = start()
+    try:
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    last = seen[-1].asDict()
+    assert len(seen) == 4 and (last["id"], last["v"], last["extra"]) == (1, 5000000000, "x")

@@ -16,7 +16,6 @@ each time and the medians, in seconds and changes per second; an untimed warm-up
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -31,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from apply_workloads import SOURCE_SETTINGS, TARGET_SETTINGS  # noqa: E402
-from pipeline import applier, header  # noqa: E402
+from pipeline import applier, header, spark_bench_parser  # noqa: E402
 
 from applier.embedded import start_server  # noqa: E402
 
@@ -41,16 +40,12 @@ DDL = (f"CREATE TABLE {TABLE} (id bigint PRIMARY KEY, grp int NOT NULL, amount n
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = spark_bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=200_000, help="rows in the table")
     parser.add_argument("--changes", type=int, default=1_000_000,
                         help="row updates applied (and read back), in transactions of 1,000 rows")
     parser.add_argument("--repeat", type=int, default=3, help="timed reads of each kind")
     parser.add_argument("--partitions", type=int, default=2, help="num_partitions of both reads")
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
-                        help="PostgreSQL major version of both servers")
-    parser.add_argument("--master", default="local[*]", help="Spark master URL")
     args = parser.parse_args()
     if args.rows <= 0 or args.changes <= 0 or args.repeat <= 0 or args.partitions <= 0:
         parser.error("--rows, --changes, --repeat and --partitions must be positive")

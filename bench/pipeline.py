@@ -158,13 +158,22 @@ def header(pg_version: int, master: str) -> str:
             f"{time.strftime('%Y-%m-%d %H:%M')}, load average {load_average()}")
 
 
+def spark_bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a Spark benchmark, with the options they all have."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
+                        help="PostgreSQL major version of the servers")
+    parser.add_argument("--master", default="local[*]", help="Spark master URL of every Spark run")
+    return parser
+
+
 def medians(runs: dict[str, list[float]]) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = spark_bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=2_000_000,
                         help="rows in the table before the first change (the issue's figure: 2,000,000)")
     parser.add_argument("--change-fraction", type=float, default=0.01,
@@ -177,10 +186,6 @@ def main() -> int:
                         help="distinct values of the group column")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed rounds of each part, each after a fresh change; medians are reported")
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
-                        help="PostgreSQL major version of both servers")
-    parser.add_argument("--master", default="local[*]",
-                        help="Spark master URL of every pipeline run and of the trivial Spark job")
     args = parser.parse_args()
     if not (0 < args.change_fraction < 1 and args.rows > 0 and args.groups > 1 and args.repeat > 0
             and args.rows_per_transaction >= 0):

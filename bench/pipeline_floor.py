@@ -30,7 +30,6 @@ this size on this machine.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from apply_measure import load_average  # noqa: E402
 from apply_workloads import TARGET_SETTINGS  # noqa: E402
-from pipeline import header  # noqa: E402
+from pipeline import header, spark_bench_parser  # noqa: E402
 
 from applier.embedded import start_server  # noqa: E402
 from applier.spark.reader import jdbc_options  # noqa: E402
@@ -114,16 +113,12 @@ def rounds(spark, dsn: str, rows: int, work: Path) -> dict[str, Callable[[Path],
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = spark_bench_parser(__doc__)
     parser.add_argument("--rows", type=int, default=2_000_000, help="rows in the table")
     parser.add_argument("--change-fraction", type=float, default=0.01,
                         help="signed contributions a round reads, as a share of --rows")
     parser.add_argument("--groups", type=int, default=1000, help="distinct values of the group column")
     parser.add_argument("--repeat", type=int, default=5, help="timed turns of every variant; medians reported")
-    parser.add_argument("--pg-version", type=int, choices=(15, 18), default=18,
-                        help="PostgreSQL major version of the server")
-    parser.add_argument("--master", default="local[*]", help="Spark master URL")
     args = parser.parse_args()
     if not (0 < args.change_fraction < 1 and args.rows > 1 and args.groups > 1 and args.repeat > 0):
         parser.error("need 0 < --change-fraction < 1, --rows > 1, --groups > 1, --repeat > 0")

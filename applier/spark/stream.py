@@ -24,10 +24,11 @@ Owns: the Python data source ``applier_changes`` (Spark 4.2 or later, with pyarr
 stream's columns: those of :func:`read_changes` (same names and Spark types, taken from a JDBC
 read of the change table), as the table is when the query starts: a column added later reaches
 the stream when the query starts again, and a value that no longer fits its column's type (a
-type widened since) stops the query with ``ColumnDoesNotFit``, saying to start it again. Spark runs a Python source's reads in its Python workers,
-where the JDBC reader does not exist: each range is read there with psycopg, in a snapshot that
-holds the feed's history lock, through the same query :func:`read_changes` sends over JDBC.
-Must never write to the replica.
+type widened since) stops the query with ``ColumnDoesNotFit``, saying to start it again.
+Spark runs a Python source's reads in its Python workers, where the JDBC reader does not exist:
+each range is read there with psycopg, in a snapshot that holds the feed's history lock, through
+the same query :func:`read_changes` sends over JDBC, into Arrow batches. While no change comes,
+the applied position is polled on one connection. Must never write to the replica.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ if TYPE_CHECKING:
 
     from .snapshot import Snapshot
 
-__all__ = ["PLAN_SETTINGS", "ChangeRange", "HistoryNotRetained", "change_queries", "change_range", "feed_history",
-           "lsn_bounds",
-           "read_changes", "truncated"]
+__all__ = ["PLAN_SETTINGS", "ChangeRange", "HistoryNotRetained", "change_queries", "change_range",
+           "feed_history", "lsn_bounds", "read_changes", "truncated"]
 
 #: Run in the transaction of every read of change rows. Each read joins the change rows to their
 #: transactions' end LSNs; the newest changes lie past the change table's statistics (or it has

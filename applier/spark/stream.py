@@ -81,7 +81,7 @@ class _Options:
                              "applier.spark.stream.read_change_stream()")
         self.dsn = options["dsn"]
         self.table = options["table"]
-        self.slot = options.get("slot", "")
+        self.slot = options["slot"]
         self.starting_lsn = options["starting_lsn"]
         self.partitions = int(options.get("partitions") or 1)
         self.fetchsize = int(options.get("fetchsize") or DEFAULT_FETCHSIZE)

@@ -41,13 +41,19 @@ import psycopg
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    SupportsTriggerAvailableNow,
+)
 from pyspark.sql.types import StringType, StructType
 
 from ..connections import connect
 from ..protocol.lsn import LSN
 from ..quoting import ident
-from .changes import PLAN_SETTINGS, change_queries, change_range, feed_history, lsn_bounds
+from ..units import parse_size
+from .changes import PLAN_SETTINGS, ChangeRange, change_queries, change_range, feed_history, lsn_bounds
 from .reader import DEFAULT_FETCHSIZE, jdbc_options
 from .snapshot import Snapshot, open_snapshot
 
@@ -86,6 +92,7 @@ class _Options:
         self.partitions = int(options.get("partitions") or 1)
         self.fetchsize = int(options.get("fetchsize") or DEFAULT_FETCHSIZE)
         self.text_columns = self.columns_as_text(options.get("text_columns") or "")
+        self.max_wal_per_batch = int(options.get("max_wal_per_batch") or 0)
 
     @staticmethod
     def columns_as_text(option: str) -> Any:
@@ -93,31 +100,42 @@ class _Options:
         return "*" if option == "*" else [c for c in option.split("\0") if c]
 
 
-def _applied_position(snap: Snapshot, table: str, start: str | None) -> LSN:
-    """How far the feed of ``table`` goes in ``snap``: the slot's applied position (or where the
-    feed stopped); checked against ``start`` when given."""
-    return change_range(snap, table, start or feed_history(snap, table)[1].retained_after).end
+def _applied_span(snap: Snapshot, table: str, start: str | None) -> ChangeRange:
+    """The changes of ``table`` after ``start`` (default: all retained) up to how far its feed
+    goes in ``snap``: the slot's applied position, or where the feed stopped."""
+    return change_range(snap, table, start or feed_history(snap, table)[1].retained_after)
 
 
-class _AppliedPoller:
-    """The slot's applied position, read on one connection kept for the query's life: while no
-    change comes, Spark asks for the latest offset many times a second, and a snapshot opened
-    each time cost the replica 45 new sessions a second."""
+class _Poller:
+    """Questions the driver asks the replica between batches, on one connection kept for the
+    query's life: while no change comes, Spark asks for the latest offset many times a second,
+    and a snapshot opened each time cost the replica 45 new sessions a second. Only about rows
+    already committed (up to the applied position), which no snapshot is needed for."""
 
     def __init__(self, dsn: str, slot: str) -> None:
         self.dsn, self.slot = dsn, slot
         self.conn: psycopg.Connection[Any] | None = None
 
-    def applied(self) -> str | None:
+    def _row(self, query: str, params: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if self.conn is None or self.conn.closed:
             self.conn = connect(self.dsn, autocommit=True, application_name="applier change stream")
         try:
-            row = self.conn.execute("SELECT commit_lsn::text FROM applier.progress WHERE slot_name = %s",
-                                    (self.slot,)).fetchone()
+            return self.conn.execute(query, params).fetchone()
         except psycopg.Error:
             self.close()  # a new connection next time
             raise
+
+    def applied(self) -> str | None:
+        """The slot's applied commit LSN, as text."""
+        row = self._row("SELECT commit_lsn::text FROM applier.progress WHERE slot_name = %s", (self.slot,))
         return None if row is None else str(row[0])
+
+    def first_change(self, change_table: str, lo: LSN, hi: LSN) -> LSN | None:
+        """The commit LSN of the first change in ``change_table`` committed in ``(lo, hi]``."""
+        row = self._row(f"SELECT min(change_commit_lsn)::text FROM {change_table} WHERE "
+                        "change_commit_lsn > %s::pg_lsn AND change_commit_lsn <= %s::pg_lsn",
+                        (str(lo), str(hi)))
+        return None if row is None or row[0] is None else LSN.parse(row[0])
 
     def close(self) -> None:
         if self.conn is not None:
@@ -129,9 +147,10 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, options: _Options, schema: StructType) -> None:
         self.options = options
         self.target: LSN | None = None  # Trigger.AvailableNow: what was applied when it began
-        self.poller = _AppliedPoller(options.dsn, options.slot)
+        self.poller = _Poller(options.dsn, options.slot)
         # The applied position at the last full check (a snapshot), and the end it gave.
         self.checked: tuple[str | None, LSN] | None = None
+        self.change_table = ""  # set by that check
         # Each column as the read delivers it: a string column as PostgreSQL's text of it (uuid,
         # json and jsonb too, which psycopg would otherwise return as objects).
         self.projection = ", ".join(
@@ -146,7 +165,9 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Every change committed up to the applied position is on the replica for good; the
         # check fails when retention dropped changes after ``start`` while the query was stopped.
         with open_snapshot(self.options.dsn, slot=self.options.slot) as snap:
-            return _applied_position(snap, self.options.table, start)
+            span = _applied_span(snap, self.options.table, start)
+        self.change_table = span.qualified
+        return span.end
 
     def prepareForTriggerAvailableNow(self) -> None:
         # Not checked against the starting LSN: a query resumed from its checkpoint may be far past it.
@@ -158,10 +179,27 @@ class _ChangeStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # Something was applied since the last check (or this is the first): check the
             # history and find the end in a snapshot, once for each new position.
             self.checked = (applied, self._applied(start["lsn"]))
-        end = max(LSN.parse(start["lsn"]), self.checked[1])
+        lo = LSN.parse(start["lsn"])
+        end = max(lo, self.checked[1])
         if self.target is not None:
-            end = max(LSN.parse(start["lsn"]), min(end, self.target))
+            end = max(lo, min(end, self.target))
+        if isinstance(limit, ReadMaxBytes) and int(end) - int(lo) > limit.max_bytes:
+            end = self._cut(lo, end, limit.max_bytes)
         return {"lsn": str(end)}
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        wal = self.options.max_wal_per_batch
+        return ReadMaxBytes(wal) if wal else ReadAllAvailable()
+
+    def _cut(self, lo: LSN, hi: LSN, wal: int) -> LSN:
+        """The end of a batch from ``lo`` (at most ``hi``) that spans at most ``wal`` bytes of
+        source WAL from its first change: past a stretch of WAL where the table has none, the
+        batch starts at its next change rather than come out empty."""
+        cut = LSN(int(lo) + wal)
+        if self.poller.first_change(self.change_table, lo, cut) is not None:
+            return cut
+        first = self.poller.first_change(self.change_table, cut, hi)
+        return hi if first is None else LSN(min(int(hi), int(first) + wal))
 
     def partitions(self, start: dict[str, str], end: dict[str, str]) -> list[_Range]:
         lo, hi = LSN.parse(start["lsn"]), LSN.parse(end["lsn"])
@@ -221,15 +259,20 @@ class ChangeFeedSource(DataSource):
 def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
                        starting_lsn: str | int | LSN = "latest", slot: str | None = None,
                        num_partitions: int | None = None, fetchsize: int = DEFAULT_FETCHSIZE,
-                       text_columns: Any = ()) -> DataFrame:
+                       text_columns: Any = (), max_wal_per_batch: str | int | None = None) -> DataFrame:
     """A streaming DataFrame of the changes of ``table`` committed after ``starting_lsn``:
     ``"latest"`` (what the replica has applied now), ``"earliest"`` (the oldest change the feed
     retains) or an LSN (e.g. the position of a ``read_table`` snapshot). Columns as
     :func:`read_changes` gives them (``text_columns`` likewise). Raises ``HistoryNotRetained`` now
     if the feed does not hold every change after the start; a query restarted from its
-    checkpoint resumes from there instead."""
+    checkpoint resumes from there instead. ``max_wal_per_batch`` (e.g. ``"256MB"``) bounds a
+    micro-batch by the source WAL its changes span (whole transactions; a backlog is then read in
+    many batches); by default a batch reads all that was applied since the last."""
     if fetchsize <= 0:
         raise ValueError("fetchsize must be positive")
+    wal = 0 if max_wal_per_batch is None else parse_size(max_wal_per_batch)
+    if max_wal_per_batch is not None and wal <= 0:
+        raise ValueError("max_wal_per_batch must be positive")
     text = "*" if text_columns == "*" else "\0".join(text_columns)
     with open_snapshot(dsn, slot=slot) as snap:
         history = feed_history(snap, table)[1]
@@ -237,7 +280,7 @@ def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
         if starting_lsn == "earliest":
             start = history.retained_after
         elif starting_lsn == "latest":
-            start = _applied_position(snap, table, None)
+            start = _applied_span(snap, table, None).end
         span = change_range(snap, table, start)
         # The columns and their Spark types as Spark's JDBC reader maps them for read_changes
         # (resolving a JDBC read's schema reads no row).
@@ -249,5 +292,5 @@ def read_change_stream(spark: SparkSession, dsn: str, table: str, *,
     spark.dataSource.register(ChangeFeedSource)
     options = {"dsn": dsn, "table": table, "slot": history.slot, "starting_lsn": str(span.start),
                "partitions": str(num_partitions or spark.sparkContext.defaultParallelism),
-               "fetchsize": str(fetchsize), "text_columns": text}
+               "fetchsize": str(fetchsize), "text_columns": text, "max_wal_per_batch": str(wal)}
     return spark.readStream.format(SOURCE_NAME).schema(schema).options(**options).load()

@@ -841,3 +841,39 @@ def test_a_change_stream_across_schema_changes(spark, source_db, target_db, tmp_
         query.stop()
     last = seen[-1].asDict()
     assert len(seen) == 4 and (last["id"], last["v"], last["extra"]) == (1, 5000000000, "x")
+
+
+def test_a_change_stream_bounded_by_wal_per_batch(spark, source_db, target_db, tmp_path) -> None:
+    """max_wal_per_batch reads a backlog in many micro-batches, none spanning more source WAL
+    than the bound, none empty where the table had no change for a stretch of WAL (the next
+    batch starts at its next change), and every change exactly once."""
+    from replication import run_worker
+
+    from applier.spark.changes import read_changes
+    from applier.spark.stream import read_change_stream
+
+    _stream_setup(source_db, target_db)
+    start = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0][0]
+    for n in range(30):
+        source_db.execute("UPDATE events SET note = (SELECT string_agg(md5(random()::text), '') "
+                          "FROM generate_series(1, 60)) WHERE id %% 30 = %s", (n,))  # 2 kB, random
+    source_db.execute("CREATE TABLE unpublished (x text)")  # 2 MB of WAL without a change to events
+    source_db.execute("INSERT INTO unpublished SELECT repeat('g', 1000) FROM generate_series(1, 2000)")
+    for n in range(5):
+        source_db.execute("UPDATE events SET v = v + 1 WHERE id %% 5 = %s", (n,))
+    run_worker(source_db, target_db, "--change-feed", "all")
+
+    bound = 64 * 1024
+    frame = read_change_stream(spark, target_db.dsn, "public.events", starting_lsn=start,
+                               max_wal_per_batch="64kB")
+    batches: dict = {}
+    _run_stream(frame, tmp_path / "checkpoint", batches)
+    spans = [max(int(r["change_position"]) for r in rows) - min(int(r["change_position"]) for r in rows)
+             for rows in batches.values() if rows]
+    assert len(spans) == len(batches) > 5, (spans, len(batches))  # many batches, none empty
+    assert max(spans) <= bound
+    with open_snapshot(target_db.dsn) as snap:
+        expected = read_changes(spark, "public.events", snap, start_lsn=start).collect()
+    assert _by_change([r for rows in batches.values() for r in rows]) == _by_change(expected)
+    with pytest.raises(ValueError, match="invalid size"):
+        read_change_stream(spark, target_db.dsn, "public.events", max_wal_per_batch="lots")

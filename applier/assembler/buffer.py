@@ -13,6 +13,7 @@ sequence is also its offset in the file once spilled.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import tempfile
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+from psycopg import pq
 
 __all__ = ["StreamBuffer", "ENTRY_OVERHEAD", "SPILL_GLOB", "default_spill_dir", "spill_path",
            "record_cost"]
@@ -40,10 +43,26 @@ SPILL_GLOB: Final = f"{_SPILL_PREFIX}*{_SPILL_SUFFIX}"
 _READ_BUFFER: Final = 1 << 16
 
 
-def default_spill_dir(slot: str) -> Path:
-    """Where a slot's streamed transactions spill when --spill-dir is not given."""
+def default_spill_dir(slot: str, target: str) -> Path:
+    """Where a worker's streamed transactions spill when --spill-dir is not given: a directory
+    for each target database and slot, as the worker lock is, so that one worker at a time uses
+    it. Keyed by the slot alone, two workers of one slot name on a host (other sources, other
+    targets) shared it: each start removed the other's spill files, each exit its directory."""
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in slot)
-    return Path(tempfile.gettempdir()) / f"applier-spill-{safe}"
+    digest = hashlib.sha256(_database_identity(target).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"applier-spill-{safe}-{digest}"
+
+
+def _database_identity(dsn: str) -> str:
+    """Host, port and database a connection string names, libpq's defaults (environment
+    included) filling what it leaves out: the same for every spelling of one target."""
+    given = {o.keyword: o.val for o in pq.Conninfo.parse(dsn.encode()) if o.val}
+    defaults = {o.keyword: o.val for o in pq.Conninfo.get_defaults() if o.val}
+
+    def value(keyword: bytes) -> str:
+        return (given.get(keyword) or defaults.get(keyword) or b"").decode()
+
+    return "\0".join((value(b"host"), value(b"port"), value(b"dbname") or value(b"user")))
 
 
 def spill_path(directory: Path, xid: int) -> Path:
@@ -100,6 +119,8 @@ class StreamBuffer:
         """Append the in-memory records to the spill file; return the memory freed."""
         if not self._memory:
             return 0
+        # A temp directory cleaner may have removed the directory while it stood empty.
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab") as file:
             for raw in self._memory:
                 file.write(_LENGTH.pack(len(raw)))

@@ -95,7 +95,7 @@ def _refuse_active_slot(source: psycopg.Connection[Any], slot: str) -> bool:
 
 
 def plan_drop(source: psycopg.Connection[Any], target: psycopg.Connection[Any], slot: str, *,
-              keep_bookkeeping: bool, spill_dir: Path | None) -> DropPlan:
+              keep_bookkeeping: bool, spill_dir: Path | None, target_dsn: str) -> DropPlan:
     """What is left of ``slot``'s replica; raises ``LifecycleError`` when a worker holds it."""
     on_source = _refuse_active_slot(source, slot)
     database = target.info.dbname
@@ -104,7 +104,7 @@ def plan_drop(source: psycopg.Connection[Any], target: psycopg.Connection[Any], 
     origins = [row[0] for row in target.execute(
         "SELECT roname::text FROM pg_catalog.pg_replication_origin WHERE roname = ANY(%s) "
         "ORDER BY roname", (names,))]
-    directory = spill_dir or default_spill_dir(slot)
+    directory = spill_dir or default_spill_dir(slot, target_dsn)
     return DropPlan(slot, on_source, origins, target_prepared(target, slot),
                     {} if keep_bookkeeping else SqlBookkeeping(target).slot_row_counts(slot),
                     directory, sorted(directory.glob(SPILL_GLOB)), spill_dir is None)
@@ -157,7 +157,7 @@ def drop(settings: Settings, ask: Callable[[str], str] | None) -> int:
         # The slot first (a running worker holds it: its WAL sender is named), then the worker
         # lock (a worker between two sessions holds only that), kept to the end.
         plan = plan_drop(source, target, slot, keep_bookkeeping=settings.keep_bookkeeping,
-                         spill_dir=settings.spill_dir)
+                         spill_dir=settings.spill_dir, target_dsn=settings.required("target"))
         lock = WorkerLock(settings.required("target"), slot)
         try:
             lock.acquire()

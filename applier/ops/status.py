@@ -132,7 +132,7 @@ def collect_status(settings: Settings) -> StatusReport:
     lag = None if slot is None else measure_lag(
         wal_lsn, done_position(progress, slot.confirmed_flush_lsn),
         progress.commit_time if progress else None, datetime.now(UTC))
-    spill_dir = settings.spill_dir or default_spill_dir(slot_name)
+    spill_dir = settings.spill_dir or default_spill_dir(slot_name, settings.required("target"))
     return StatusReport(
         slot_name=slot_name, source_database=database, source_wal_lsn=wal_lsn, slot=slot,
         retained_wal_bytes=(max(0, int(wal_lsn) - int(slot.restart_lsn))

@@ -87,7 +87,7 @@ class Worker:
         self._head_start = head_start
         self.slot = settings.required("slot")
         self.stop_requested = False
-        self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot))
+        self.spill_dir = Path(settings.spill_dir or default_spill_dir(self.slot, settings.required("target")))
         self._lock: WorkerLock | None = None
         self._state = SessionState()
         self._failures_without_progress = 0
@@ -129,8 +129,8 @@ class Worker:
             if self._head_start is not None:
                 self._head_start.close()
             self.telemetry.close()
+            self._remove_spill_dir()  # while the lock still keeps the next worker out
             lock.release()
-            self._remove_spill_dir()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 

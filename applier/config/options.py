@@ -135,7 +135,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("spill_dir", "Directory for spill files of streamed transactions over the memory "
            "budget, and of the change rows (--change-feed) of one applied as it streams, held "
            "until its commit (drop removes the slot's spill files there). Default: a directory "
-           "per slot under the system temp directory.", kind="path",
+           "per target database and slot under the system temp directory.", kind="path",
            commands=("run", "sync", "status", "drop")),
     Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
            "per target transaction before it commits; also the most rows held in memory.",

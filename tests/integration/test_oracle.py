@@ -1,0 +1,100 @@
+"""The oracle (issue 42): PostgreSQL's own subscriber applies the same change stream as applier
+does on each of its routes, and every route's replica must come out the same, row by row.
+
+``oracle_schema`` and ``oracle_workload`` draw the examples (the shapes users have, the
+workloads they run), ``oracle_execute`` runs a workload on the source, ``oracle_rig`` reads its
+stream with ``CREATE SUBSCRIPTION`` and with ``applier run`` on every route and compares the
+targets, and ``oracle_explore`` drives hypothesis: a difference is shrunk to the smallest
+example that still shows it and printed as a script.
+
+``./dev test`` runs a bounded number of examples per PostgreSQL version, from a fixed seed
+(``APPLIER_ORACLE_SEED``; ``APPLIER_ORACLE_EXAMPLES`` sets how many), on the routes of
+``oracle_rig.ROUTES``. ``./dev soak [--minutes N] [--seed S]`` sets ``APPLIER_ORACLE_MINUTES``:
+then this test runs rounds of examples for that long (shared between the versions) on every
+route of ``SOAK_ROUTES``, round r drawing from seed S + r, and reports every difference it
+shrank; ``./dev soak --seed S+r`` replays round r.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+from conftest import pg_versions
+from oracle_explore import Difference, Exploration, explore
+from oracle_rig import ROUTES, SOAK_ROUTES, Oracle
+
+from applier.embedded import ServerSettings, start_server
+
+pytestmark = pytest.mark.server
+
+EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "10"))
+MINUTES = float(os.environ.get("APPLIER_ORACLE_MINUTES", "0"))
+SEED = os.environ.get("APPLIER_ORACLE_SEED", "")
+#: Examples per soak round: a round is replayed whole by its seed.
+ROUND = 10
+
+
+def _settings(version: int, target: bool) -> ServerSettings:
+    """The test servers' settings, with room for a slot, a WAL sender and a replication origin
+    per route and the native subscription's workers."""
+    extra: dict[str, object] = {"max_wal_senders": 60, "max_replication_slots": 60,
+                                "max_connections": 200}
+    if target:
+        extra |= {"max_logical_replication_workers": 8, "max_worker_processes": 16}
+        if version >= 18:
+            extra["max_active_replication_origins"] = 60
+    return ServerSettings.source(**extra)
+
+
+@pytest.fixture(scope="module", params=pg_versions(), ids=lambda v: f"pg{v}")
+def oracle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Oracle]:
+    version = int(request.param)
+    source = start_server(version, _settings(version, False), name=f"oracle-src{version}")
+    try:
+        target = start_server(version, _settings(version, True), name=f"oracle-tgt{version}")
+        try:
+            rig = Oracle(source, target, tmp_path_factory.mktemp(f"oracle{version}"))
+            try:
+                yield rig
+            finally:
+                rig.close()
+        finally:
+            target.cleanup()
+    finally:
+        source.cleanup()
+
+
+def test_every_route_applies_as_postgresqls_subscriber(oracle: Oracle) -> None:
+    if MINUTES:
+        _soak(oracle, MINUTES / len(pg_versions()))
+        return
+    found = Exploration()
+    explore(oracle, list(ROUTES), int(SEED or 0), EXAMPLES, found)
+    print(f"\n{found.examples} examples in {found.seconds:.0f} s; covered: {sorted(found.covered)}")
+
+
+def _soak(oracle: Oracle, minutes: float) -> None:
+    first = int(SEED) if SEED else random.randrange(2**31)
+    deadline = time.monotonic() + minutes * 60
+    found = Exploration()
+    differences: list[str] = []
+    round_seed = first
+    print(f"\nsoak on PostgreSQL {oracle.source.version} for {minutes:g} min from seed {first}")
+    while time.monotonic() < deadline:
+        try:
+            explore(oracle, list(SOAK_ROUTES), round_seed, ROUND, found)
+        except Difference as exc:
+            differences.append(f"seed {round_seed}: {exc}")
+            print(f"\n=== difference (replay: ./dev soak --seed {round_seed}) ===\n{exc}", flush=True)
+        round_seed += 1
+        print(f"{found.examples} examples in {found.seconds:.0f} s (rounds {first}..{round_seed - 1})",
+              flush=True)
+    print(f"covered: {sorted(found.covered)}")
+    print(f"PostgreSQL's subscriber refused {len(found.native_refused)}: {found.native_refused[:5]}")
+    print(f"target A differed from the source {len(found.native_vs_source)} time(s): "
+          f"{found.native_vs_source[:5]}")
+    assert not differences, f"{len(differences)} difference(s):\n\n" + "\n\n".join(differences)

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
+from oracle_execute import Script
 from oracle_rig import Oracle, Outcome, Route
 from oracle_schema import Schema, schemas
 from oracle_workload import Workload, features, workloads
 
-__all__ = ["Difference", "Example", "Exploration", "examples", "explore"]
+__all__ = ["Difference", "Example", "Exploration", "examples", "explore", "report", "runtime_features"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,15 @@ class Exploration:
     #: Where target A differed from the source (informational).
     native_vs_source: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: Seconds per phase of an example, over all of them (``Outcome.seconds``).
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+def runtime_features(script: Script) -> set[str]:
+    """What only running the workload tells: transactions open at once, a prepared one pending
+    while others commit."""
+    return ({"interleaved transactions"} if script.most_open > 1 else set()) | (
+        {"prepared across commits"} if script.prepared_across_commits else set())
 
 
 def report(example: Example, outcome: Outcome, routes: list[Route], seed_used: int) -> str:
@@ -89,12 +99,11 @@ def explore(oracle: Oracle, routes: list[Route], seed_used: int, max_examples: i
         outcome = oracle.check(example.schema, example.workload, focus, example.live)
         found.seconds += time.monotonic() - started
         found.examples += 1
+        for phase, seconds in outcome.seconds.items():
+            found.phases[phase] = found.phases.get(phase, 0.0) + seconds
         found.covered |= features(example.schema, example.workload)
         if outcome.script is not None:
-            if outcome.script.most_open > 1:
-                found.covered.add("interleaved transactions")
-            if outcome.script.prepared_across_commits:
-                found.covered.add("prepared across commits")
+            found.covered |= runtime_features(outcome.script)
         if outcome.native_refused:
             found.native_refused.append(outcome.native_refused)
         if outcome.native_vs_source:

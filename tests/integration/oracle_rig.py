@@ -24,6 +24,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +92,19 @@ class Outcome:
     #: published through its root).
     native_vs_source: str | None = None
     script: Script | None = None
+    #: Seconds each phase took (create, workload, wait, compare, drop).
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    def __init__(self, laps: dict[str, float]) -> None:
+        self.laps = laps
+        self.last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
 
 
 class Oracle:
@@ -118,22 +132,28 @@ class Oracle:
         logs = self.workdir / prefix
         logs.mkdir(parents=True, exist_ok=True)
         workers: dict[str, subprocess.Popen] = {}
+        outcome = Outcome()
+        clock = _Clock(outcome.seconds)
         try:
-            self._create(schema, source_db, names, routes)
-            outcome = Outcome()
+            self._create(schema, source_db, names, routes, clock)
             self._subscribe(names["native"], source_db)
+            clock.lap("subscribe")
             if live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=False)
             outcome.script = run_workload(self.source.dsn(source_db), schema, workload)
             _execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
+            clock.lap("workload")
             if not live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=True)
             failures, outcome.native_refused = self._wait(names, workers, logs)
+            clock.lap("wait")
             self._compare(schema, source_db, names, failures, outcome)
+            clock.lap("compare")
             return outcome
         finally:
             try:
                 self._drop(source_db, names, workers)
+                clock.lap("drop")
             finally:
                 self._check_servers()
 
@@ -141,12 +161,7 @@ class Oracle:
         """A server process that crashed (the postmaster then restarts every session) is a
         finding of its own, whoever caused it: say so with the server's log."""
         for server in (self.source, self.target):
-            log = server.log_path
-            if log is None:
-                continue
-            with open(log, "rb") as file:
-                file.seek(self._log_seen[id(server)])
-                text = file.read().decode(errors="replace")
+            text = self._new_log(server)
             self._log_seen[id(server)] += len(text.encode())
             lines = text.splitlines()
             crashed = [i for i, line in enumerate(lines)
@@ -158,22 +173,27 @@ class Oracle:
 
     # -- set-up ----------------------------------------------------------------------------------
     def _create(self, schema: Schema, source_db: str, names: dict[str, str],
-                routes: list[Route]) -> None:
+                routes: list[Route], clock) -> None:
         _admin(self.source, f"CREATE DATABASE {ident(source_db)}")
         _execute(self.source.dsn(source_db), *schema.source_ddl(), *schema.publications())
+        clock.lap("source")
         template = f"{names['native']}_t"
-        _admin(self.target, f"CREATE DATABASE {ident(template)} TEMPLATE {ident(self.base)} "
-                            "STRATEGY FILE_COPY")
+        _admin(self.target, f"CREATE DATABASE {ident(template)} TEMPLATE {ident(self.base)}")
         try:
             _execute(self.target.dsn(template), *schema.target_ddl())
-            _admin(self.target, *(f"CREATE DATABASE {ident(db)} TEMPLATE {ident(template)} "
-                                  "STRATEGY FILE_COPY" for db in names.values()))
+            # A few at once: a copy of a small database is mostly waiting.
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda db: _admin(self.target, f"CREATE DATABASE {ident(db)} "
+                                                             f"TEMPLATE {ident(template)}"),
+                              names.values()))
         finally:
             self.target.drop_database(template)
+        clock.lap("targets")
         two_phase = {names["native"]: True} | {names[r.name]: r.two_phase for r in routes}
         _execute(self.source.dsn(source_db), *(
             f"SELECT pg_create_logical_replication_slot({literal(slot)}, 'pgoutput', false, "
             f"{str(tp).lower()})" for slot, tp in two_phase.items()))
+        clock.lap("slots")
 
     def _subscribe(self, native: str, source_db: str) -> None:
         streaming = "parallel" if self.target.version >= 16 else "on"
@@ -209,12 +229,15 @@ class Oracle:
         failures: dict[str, str] = {}
         refused = None
         pending = set(names)
-        deadline = time.monotonic() + CATCH_UP_SECONDS
+        started = time.monotonic()
+        deadline = started + CATCH_UP_SECONDS
+        self.caught_up: dict[str, float] = {}
         with _sessions(self.target, names) as sessions:
             while pending and time.monotonic() < deadline:
                 for name in sorted(pending):
                     if _has_marker(sessions[name]):
                         pending.discard(name)
+                        self.caught_up[name] = time.monotonic() - started
                         continue
                     worker = workers.get(name)
                     if worker is not None and worker.poll() is not None:
@@ -236,11 +259,23 @@ class Oracle:
         return failures, refused
 
     def _native_error(self, session: psycopg.Connection) -> str:
+        """The apply worker's error and its context, from the target's log of this example."""
         session.execute("ALTER SUBSCRIPTION oracle DISABLE")
-        log = self.target.log_path
-        lines = log.read_text(errors="replace").splitlines() if log is not None else []
-        errors = [line for line in lines if "ERROR:" in line and "logical replication" in line]
-        return errors[-1] if errors else "its apply worker reported an error"
+        lines = self._new_log(self.target).splitlines()
+        for error, context in zip(lines, lines[1:]):
+            if "ERROR:" in error and "processing remote data" in context:
+                return (error.partition("ERROR:")[2].strip() + " ("
+                        + context.partition("CONTEXT:")[2].strip() + ")")
+        return "its apply worker reported an error"
+
+    def _new_log(self, server: PostgresServer) -> str:
+        """What ``server`` logged since the last example ended."""
+        log = server.log_path
+        if log is None:
+            return ""
+        with open(log, "rb") as file:
+            file.seek(self._log_seen[id(server)])
+            return file.read().decode(errors="replace")
 
     # -- comparing -------------------------------------------------------------------------------
     def _compare(self, schema: Schema, source_db: str, names: dict[str, str],

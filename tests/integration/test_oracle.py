@@ -24,14 +24,16 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import pg_versions
-from oracle_explore import Difference, Exploration, explore
+from oracle_examples import EVERY_SHAPE, FULL_WITHOUT_EQUALITY, ONE_PARTITION_TRUNCATED, REQUIRED
+from oracle_explore import Difference, Example, Exploration, explore, report, runtime_features
 from oracle_rig import ROUTES, SOAK_ROUTES, Oracle
+from oracle_workload import features
 
 from applier.embedded import ServerSettings, start_server
 
 pytestmark = pytest.mark.server
 
-EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "6"))
 MINUTES = float(os.environ.get("APPLIER_ORACLE_MINUTES", "0"))
 SEED = os.environ.get("APPLIER_ORACLE_SEED", "")
 #: Examples per soak round: a round is replayed whole by its seed.
@@ -68,13 +70,50 @@ def oracle(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         source.cleanup()
 
 
-def test_every_route_applies_as_postgresqls_subscriber(oracle: Oracle) -> None:
+def test_every_shape_on_every_route(oracle: Oracle) -> None:
+    """One example holding every shape and workload kind of the issue, its consumers running
+    while it runs: the routes, PostgreSQL's subscriber and the source all agree."""
+    schema, workload = EVERY_SHAPE
+    outcome = oracle.check(schema, workload, list(ROUTES), live=True)
+    assert outcome.native_refused is None and outcome.native_vs_source is None, outcome
+    assert not outcome.differences, report(Example(schema, workload, True), outcome, list(ROUTES), 0)
+    assert outcome.script is not None
+    covered = features(schema, workload) | runtime_features(outcome.script)
+    assert REQUIRED <= covered, f"not covered: {sorted(REQUIRED - covered)}"
+
+
+def test_a_replica_that_differs_from_its_source_where_the_stream_says_so(oracle: Oracle) -> None:
+    """A partition truncated alone, its table published through its root: the truncate is not
+    published, so every consumer keeps the partition's rows. The rig tells target A from the
+    source, and holds the routes to target A."""
+    schema, workload = ONE_PARTITION_TRUNCATED
+    outcome = oracle.check(schema, workload, list(ROUTES[:2]), live=False)
+    assert outcome.native_refused is None
+    assert outcome.native_vs_source is not None and outcome.native_vs_source.startswith(
+        "public.rooted_p0: 0 rows in the source, 499 in target A"), outcome.native_vs_source
+    assert not outcome.differences, outcome.differences
+
+
+def test_where_postgresqls_subscriber_refuses_the_source_is_the_oracle(oracle: Oracle) -> None:
+    """json has no equality operator: PostgreSQL's subscriber cannot find a row of a FULL
+    identity table without a key by it, and stops; every route is held to the source."""
+    schema, workload = FULL_WITHOUT_EQUALITY
+    outcome = oracle.check(schema, workload, list(ROUTES), live=False)
+    assert outcome.native_refused is not None
+    assert "could not identify an equality operator for type json" in outcome.native_refused
+    assert not outcome.differences, report(Example(schema, workload, False), outcome,
+                                           list(ROUTES), 0)
+
+
+def test_drawn_examples_on_every_route(oracle: Oracle) -> None:
+    """Examples hypothesis draws from a fixed seed (``./dev soak``: for as long as asked)."""
     if MINUTES:
         _soak(oracle, MINUTES / len(pg_versions()))
         return
     found = Exploration()
     explore(oracle, list(ROUTES), int(SEED or 0), EXAMPLES, found)
-    print(f"\n{found.examples} examples in {found.seconds:.0f} s; covered: {sorted(found.covered)}")
+    print(f"\n{found.examples} examples in {found.seconds:.0f} s "
+          f"({', '.join(f'{k} {v:.0f} s' for k, v in found.phases.items())})")
 
 
 def _soak(oracle: Oracle, minutes: float) -> None:

@@ -125,7 +125,8 @@ class _Statements:
         assert isinstance(op, Delete)
         return [f"DELETE FROM {table.qualified} AS x{_where(table, op.where)}"]
 
-    def _keys(self, table: Table, index: int, count: int) -> int:
+    def _keys(self, index: int, count: int) -> int:
+        """The first of ``count`` new base keys of table ``index``."""
         first = self.next_key[index]
         self.next_key[index] += count
         return first
@@ -135,7 +136,7 @@ class _Statements:
         rows = [list(row) for row in op.rows]
         base = table.base
         if base is not None and base.writable:
-            first = self._keys(table, op.table, len(rows))
+            first = self._keys(op.table, len(rows))
             names = [base.name] + names
             rows = [[key_value(table, first + i)] + row for i, row in enumerate(rows)]
         if not names:
@@ -146,9 +147,13 @@ class _Statements:
     def _bulk(self, table: Table, op: BulkInsert) -> str:
         names, expressions = [], []
         base = table.base
+        # Keys an identity or serial gives are not taken again: after TRUNCATE ... RESTART
+        # IDENTITY the sequence would give them once more.
+        again = op.again and base is not None and base.writable
+        first = self._keys(op.table, 0 if again else op.count)
         if base is not None and base.writable:
             names.append(base.name)
-            expressions.append(_bulk_key(table, self._keys(table, op.table, op.count) - 1))
+            expressions.append(_bulk_key(table, 0 if again else first - 1))
         for name in insert_columns(table):
             column = table.column(name)
             if table.partitioning == "list" and name == table.key[1]:
@@ -161,8 +166,14 @@ class _Statements:
             expressions.append(expression)
         if not names:
             return f"INSERT INTO {table.qualified} SELECT FROM generate_series(1, {op.count}) g"
-        return (f"INSERT INTO {table.qualified} ({', '.join(map(ident, names))}) "
-                f"SELECT {', '.join(expressions)} FROM generate_series(1, {op.count}) g")
+        into = f"INSERT INTO {table.qualified} ({', '.join(map(ident, names))})"
+        if not again:
+            return f"{into} SELECT {', '.join(expressions)} FROM generate_series(1, {op.count}) g"
+        assert base is not None
+        return (f"{into} SELECT {', '.join(expressions)} "
+                f"FROM generate_series(1, {first - 1}) g WHERE NOT EXISTS (SELECT FROM "
+                f"{table.qualified} AS y WHERE y.{ident(base.name)} = {expressions[0]}) "
+                f"LIMIT {op.count}")
 
     def _update(self, table: Table, op: Update) -> list[str]:
         sets = [f"{ident(name)} = {value}" for name, value in op.sets]

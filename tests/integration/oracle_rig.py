@@ -22,17 +22,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
+from oracle_compare import contents, difference, has_marker
 from oracle_execute import Script, run_workload
 from oracle_schema import MARKER, Schema
-from oracle_values import TYPES, ident, literal, qualified
+from oracle_servers import RECOVERY_SECONDS, ServerLog, connect, drop_origins, execute, is_subscriber_crash, sessions
+from oracle_values import ident, literal, qualified
 from oracle_workload import Workload
 
 from applier.embedded import PostgresServer
@@ -42,9 +42,6 @@ __all__ = ["ROUTES", "SOAK_ROUTES", "Oracle", "Outcome", "Route"]
 
 REPO = Path(__file__).resolve().parents[2]
 _PUBLICATIONS = "oracle_leaf,oracle_root"
-#: Settings of every comparing session, so that text forms are the same on every database.
-_COMPARE_SETUP = ("SET TimeZone = 'UTC'", "SET extra_float_digits = 3", "SET DateStyle = 'ISO'",
-                  "SET IntervalStyle = 'postgres'")
 CATCH_UP_SECONDS = 180.0
 
 
@@ -113,11 +110,13 @@ class Oracle:
     def __init__(self, source: PostgresServer, target: PostgresServer, workdir: Path) -> None:
         self.source, self.target, self.workdir = source, target, workdir
         self._numbers = itertools.count(1)
-        self._log_seen = {id(server): _log_size(server) for server in (source, target)}
+        self.logs = {server.name: ServerLog(server) for server in (source, target)}
         self.tag = f"o{os.getpid()}"
         self.base = f"{self.tag}_base"
-        _admin(target, f"CREATE DATABASE {ident(self.base)}")
+        execute(target.dsn(), f"CREATE DATABASE {ident(self.base)}")
         ensure_schema(target.dsn(self.base))
+        #: Seconds each consumer of the last example took to catch up (after the workload).
+        self.caught_up: dict[str, float] = {}
 
     def close(self) -> None:
         self.target.drop_database(self.base)
@@ -131,17 +130,18 @@ class Oracle:
         source_db = f"{prefix}_src"
         logs = self.workdir / prefix
         logs.mkdir(parents=True, exist_ok=True)
+        for log in self.logs.values():
+            log.mark()
         workers: dict[str, subprocess.Popen] = {}
         outcome = Outcome()
         clock = _Clock(outcome.seconds)
         try:
-            self._create(schema, source_db, names, routes, clock)
-            self._subscribe(names["native"], source_db)
-            clock.lap("subscribe")
+            self._create(schema, source_db, names, routes)
+            clock.lap("create")
             if live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=False)
             outcome.script = run_workload(self.source.dsn(source_db), schema, workload)
-            _execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
+            execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
             clock.lap("workload")
             if not live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=True)
@@ -151,57 +151,45 @@ class Oracle:
             clock.lap("compare")
             return outcome
         finally:
-            try:
-                self._drop(source_db, names, workers)
-                clock.lap("drop")
-            finally:
-                self._check_servers()
+            self._drop(source_db, names, workers)
+            clock.lap("drop")
+            self._check_servers(outcome)
 
-    def _check_servers(self) -> None:
-        """A server process that crashed (the postmaster then restarts every session) is a
-        finding of its own, whoever caused it: say so with the server's log."""
-        for server in (self.source, self.target):
-            text = self._new_log(server)
-            self._log_seen[id(server)] += len(text.encode())
-            lines = text.splitlines()
-            crashed = [i for i, line in enumerate(lines)
-                       if "terminated by signal" in line or "PANIC:" in line]
-            if crashed:
-                first = crashed[0]
-                raise AssertionError(f"{server.name} crashed:\n"
-                                     + "\n".join(lines[max(0, first - 30):first + 5]))
+    def _check_servers(self, outcome: Outcome) -> None:
+        """A server process that crashed is a finding of its own, whoever caused it: PostgreSQL's
+        subscriber's is reported as its refusal (``_wait``), any other stops the run."""
+        for name, log in self.logs.items():
+            crashes = [c for c in log.crashes()
+                       if not (outcome.native_refused and is_subscriber_crash(c))]
+            if crashes:
+                raise AssertionError(f"{name} crashed:\n{crashes[0]}")
 
     # -- set-up ----------------------------------------------------------------------------------
     def _create(self, schema: Schema, source_db: str, names: dict[str, str],
-                routes: list[Route], clock) -> None:
-        _admin(self.source, f"CREATE DATABASE {ident(source_db)}")
-        _execute(self.source.dsn(source_db), *schema.source_ddl(), *schema.publications())
-        clock.lap("source")
+                routes: list[Route]) -> None:
+        execute(self.source.dsn(), f"CREATE DATABASE {ident(source_db)}")
+        execute(self.source.dsn(source_db), *schema.source_ddl(), *schema.publications())
         template = f"{names['native']}_t"
-        _admin(self.target, f"CREATE DATABASE {ident(template)} TEMPLATE {ident(self.base)}")
+        execute(self.target.dsn(), f"CREATE DATABASE {ident(template)} TEMPLATE {ident(self.base)}")
         try:
-            _execute(self.target.dsn(template), *schema.target_ddl())
+            execute(self.target.dsn(template), *schema.target_ddl())
             # A few at once: a copy of a small database is mostly waiting.
             with ThreadPoolExecutor(4) as pool:
-                list(pool.map(lambda db: _admin(self.target, f"CREATE DATABASE {ident(db)} "
-                                                             f"TEMPLATE {ident(template)}"),
+                list(pool.map(lambda db: execute(self.target.dsn(), f"CREATE DATABASE {ident(db)} "
+                                                                    f"TEMPLATE {ident(template)}"),
                               names.values()))
         finally:
             self.target.drop_database(template)
-        clock.lap("targets")
         two_phase = {names["native"]: True} | {names[r.name]: r.two_phase for r in routes}
-        _execute(self.source.dsn(source_db), *(
+        execute(self.source.dsn(source_db), *(
             f"SELECT pg_create_logical_replication_slot({literal(slot)}, 'pgoutput', false, "
             f"{str(tp).lower()})" for slot, tp in two_phase.items()))
-        clock.lap("slots")
-
-    def _subscribe(self, native: str, source_db: str) -> None:
         streaming = "parallel" if self.target.version >= 16 else "on"
-        _execute(self.target.dsn(native),
-                 f"CREATE SUBSCRIPTION oracle CONNECTION {literal(self.source.dsn(source_db))} "
-                 f"PUBLICATION oracle_leaf, oracle_root WITH (create_slot = false, "
-                 f"slot_name = {literal(native)}, copy_data = false, two_phase = true, "
-                 f"streaming = {streaming})")
+        execute(self.target.dsn(names["native"]),
+                f"CREATE SUBSCRIPTION oracle CONNECTION {literal(self.source.dsn(source_db))} "
+                f"PUBLICATION oracle_leaf, oracle_root WITH (create_slot = false, "
+                f"slot_name = {literal(names['native'])}, copy_data = false, two_phase = true, "
+                f"streaming = {streaming})")
 
     def _start(self, routes: list[Route], names: dict[str, str], source_db: str, logs: Path,
                exit_when_caught_up: bool) -> dict[str, subprocess.Popen]:
@@ -225,31 +213,32 @@ class Oracle:
     def _wait(self, names: dict[str, str], workers: dict[str, subprocess.Popen], logs: Path
               ) -> tuple[dict[str, str], str | None]:
         """Until every consumer holds the marker. Returns the routes that failed (why) and why
-        the native subscriber could not take the example (None: it could)."""
+        PostgreSQL's subscriber could not take the example (None: it could)."""
         failures: dict[str, str] = {}
         refused = None
         pending = set(names)
         started = time.monotonic()
         deadline = started + CATCH_UP_SECONDS
-        self.caught_up: dict[str, float] = {}
-        with _sessions(self.target, names) as sessions:
+        self.caught_up = {}
+        with sessions(self.target, names) as polled:
             while pending and time.monotonic() < deadline:
                 for name in sorted(pending):
-                    if _has_marker(sessions[name]):
+                    if has_marker(lambda q: polled.query(name, q)):
                         pending.discard(name)
                         self.caught_up[name] = time.monotonic() - started
                         continue
                     worker = workers.get(name)
                     if worker is not None and worker.poll() is not None:
-                        if not _has_marker(sessions[name]):  # it may have just committed it
+                        if not has_marker(lambda q: polled.query(name, q)):  # just committed?
                             failures[name] = (f"the worker exited with code {worker.returncode} "
                                               f"before applying everything:\n"
                                               f"{_tail(logs / (names[name] + '.log'))}")
                             pending.discard(name)
-                    elif name == "native" and _native_errors(sessions[name]):
-                        refused = self._native_error(sessions[name])
-                        pending.discard(name)
-                time.sleep(0.05)
+                    elif name == "native":
+                        refused = self._refusal(lambda q: polled.query(name, q))
+                        if refused is not None:
+                            pending.discard(name)
+                time.sleep(0.1)
         for name in pending:
             if name == "native":
                 refused = "it did not catch up within the time allowed"
@@ -258,44 +247,45 @@ class Oracle:
                                   f"{_tail(logs / (names[name] + '.log'))}")
         return failures, refused
 
-    def _native_error(self, session: psycopg.Connection) -> str:
-        """The apply worker's error and its context, from the target's log of this example."""
-        session.execute("ALTER SUBSCRIPTION oracle DISABLE")
-        lines = self._new_log(self.target).splitlines()
-        for error, context in zip(lines, lines[1:]):
-            if "ERROR:" in error and "processing remote data" in context:
-                return (error.partition("ERROR:")[2].strip() + " ("
-                        + context.partition("CONTEXT:")[2].strip() + ")")
-        return "its apply worker reported an error"
-
-    def _new_log(self, server: PostgresServer) -> str:
-        """What ``server`` logged since the last example ended."""
-        log = server.log_path
-        if log is None:
-            return ""
-        with open(log, "rb") as file:
-            file.seek(self._log_seen[id(server)])
-            return file.read().decode(errors="replace")
+    def _refusal(self, query: Callable[[str], list[tuple]]) -> str | None:
+        """Why PostgreSQL's subscriber stopped (an error, or its crash: the subscription is then
+        disabled, so that it does not go on failing), or None while it goes on."""
+        crashes = [c for c in self.logs[self.target.name].crashes() if is_subscriber_crash(c)]
+        if crashes:
+            reason = f"its apply worker crashed:\n{crashes[0]}"
+        elif query("SELECT apply_error_count FROM pg_stat_subscription_stats "
+                   "WHERE subname = 'oracle'")[0][0]:
+            reason = self.logs[self.target.name].apply_error() or "its apply worker failed"
+        else:
+            return None
+        deadline = time.monotonic() + RECOVERY_SECONDS
+        while True:  # the apply worker may be changing the subscription, or crashing again
+            try:
+                query("ALTER SUBSCRIPTION oracle DISABLE")
+                return reason
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     # -- comparing -------------------------------------------------------------------------------
     def _compare(self, schema: Schema, source_db: str, names: dict[str, str],
                  failures: dict[str, str], outcome: Outcome) -> None:
-        with _sessions(self.target, names) as sessions, \
-                psycopg.connect(self.source.dsn(source_db), autocommit=True) as source:
-            for statement in _COMPARE_SETUP:
-                source.execute(statement)
-            truth = _contents(source, schema)
-            native = truth if outcome.native_refused else _contents(sessions["native"], schema)
+        with sessions(self.target, names) as targets, \
+                sessions(self.source, {"source": source_db}) as source:
+            truth = contents(lambda q: source.query("source", q), schema)
+            native = truth if outcome.native_refused else contents(
+                lambda q: targets.query("native", q), schema)
             if not outcome.native_refused:
-                outcome.native_vs_source = _difference(truth, native, "the source", "target A")
+                outcome.native_vs_source = difference(truth, native, "the source", "target A")
             for name in names:
                 if name == "native":
                     continue
                 if name in failures:
                     outcome.differences[name] = failures[name]
                     continue
-                found = _difference(native, _contents(sessions[name], schema),
-                                    "the oracle", "the route's target")
+                found = difference(native, contents(lambda q: targets.query(name, q), schema),
+                                   "the oracle", "the route's target")
                 if found:
                     outcome.differences[name] = found
 
@@ -311,88 +301,11 @@ class Oracle:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
+        connect(self.target.dsn()).close()  # a crashed server has recovered
         for database in names.values():
             self.target.drop_database(database)
         self.source.drop_database(source_db)
-        _drop_origins(self.target, list(names.values()))
-
-
-# -- helpers -------------------------------------------------------------------------------------
-
-def _admin(server: PostgresServer, *statements: str) -> None:
-    _execute(server.dsn(), *statements)
-
-
-def _execute(dsn: str, *statements: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        for statement in statements:
-            conn.execute(statement)
-
-
-@contextmanager
-def _sessions(server: PostgresServer, names: dict[str, str]) -> Iterator[dict[str, psycopg.Connection]]:
-    sessions: dict[str, psycopg.Connection] = {}
-    try:
-        for name, database in names.items():
-            sessions[name] = psycopg.connect(server.dsn(database), autocommit=True)
-            for statement in _COMPARE_SETUP:
-                sessions[name].execute(statement)
-        yield sessions
-    finally:
-        for conn in sessions.values():
-            conn.close()
-
-
-def _log_size(server: PostgresServer) -> int:
-    log = server.log_path
-    return log.stat().st_size if log is not None and log.exists() else 0
-
-
-def _has_marker(session: psycopg.Connection) -> bool:
-    row = session.execute(f"SELECT count(*) FROM {qualified(*MARKER)}").fetchone()
-    return bool(row and row[0])
-
-
-def _native_errors(session: psycopg.Connection) -> bool:
-    row = session.execute("SELECT apply_error_count FROM pg_stat_subscription_stats "
-                          "WHERE subname = 'oracle'").fetchone()
-    return bool(row and row[0])
-
-
-def _contents(session: psycopg.Connection, schema: Schema) -> dict[str, Counter[tuple]]:
-    """Every table's rows, as the text of each column (large values as their md5)."""
-    found: dict[str, Counter[tuple]] = {}
-    by_leaf = {(t.schema, leaf): t for t in schema.tables for leaf in t.leaves()}
-    for space, name in schema.leaf_tables():
-        table = by_leaf.get((space, name))
-        if table is None:
-            columns = "n::text"
-        else:
-            columns = ", ".join(f"md5({ident(c.name)}::text)" if TYPES[c.type].toast
-                                else f"{ident(c.name)}::text" for c in table.columns)
-        rows = session.execute(f"SELECT {columns} FROM {qualified(space, name)}").fetchall()
-        found[f"{space}.{name}"] = Counter(rows)
-    return found
-
-
-def _difference(expected: dict[str, Counter[tuple]], actual: dict[str, Counter[tuple]],
-                expected_name: str, actual_name: str) -> str | None:
-    lines = []
-    for table, rows in expected.items():
-        other = actual[table]
-        if rows == other:
-            continue
-        missing = list((rows - other).elements())[:3]
-        extra = list((other - rows).elements())[:3]
-        lines.append(f"{table}: {sum(rows.values())} rows in {expected_name}, "
-                     f"{sum(other.values())} in {actual_name}; missing there e.g. "
-                     f"{_short(missing)}; extra there e.g. {_short(extra)}")
-    return "\n".join(lines) or None
-
-
-def _short(rows: list[tuple]) -> str:
-    text = repr(rows)
-    return text if len(text) < 600 else text[:600] + "..."
+        drop_origins(self.target, list(names.values()))
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -400,14 +313,3 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def _drop_origins(server: PostgresServer, databases: list[str]) -> None:
-    """Drop the replication origins workers made for ``databases`` (applier_<slot>_<db>): they
-    are server-wide, and PostgreSQL 18 keeps few."""
-    with psycopg.connect(server.dsn(), autocommit=True) as conn:
-        for database in databases:
-            for (origin,) in conn.execute(
-                    "SELECT roname FROM pg_replication_origin WHERE roname LIKE 'applier%%' "
-                    "AND right(roname, %s) = %s", (len(database) + 1, "_" + database)).fetchall():
-                conn.execute("SELECT pg_replication_origin_drop(%s)", (origin,))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 from oracle_schema import Schema, Table
-from oracle_values import TYPES
+from oracle_values import TYPES, ident
 
 __all__ = ["BulkInsert", "Delete", "Insert", "Op", "Savepoint", "Transaction", "Truncate", "Update",
            "Where", "Workload", "features", "workloads"]
@@ -47,8 +47,13 @@ class Insert:
 
 @dataclass(frozen=True)
 class BulkInsert:
+    """``count`` rows made on the server; ``again``: at most ``count`` rows that take base keys
+    given out before and gone now (deleted, truncated or changed), where the workload numbers
+    the keys."""
+
     table: int
     count: int
+    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,8 +159,9 @@ def _update(draw: st.DrawFn, schema: Schema, index: int) -> Update:
     settable = [c for c in table.columns if c.generated != "stored" and c is not base]
     chosen = draw(st.lists(st.sampled_from(settable), max_size=3, unique_by=lambda c: c.name)
                   if settable else st.just([]))
-    sets = tuple((c.name, "DEFAULT" if c.generated else draw(_value(table, c.name, schema)))
-                 for c in chosen)
+    # A value, or the column itself (an update that changes nothing there).
+    sets = tuple((c.name, "DEFAULT" if c.generated else draw(
+        st.one_of(_value(table, c.name, schema), st.just(ident(c.name))))) for c in chosen)
     key_change = base is not None and draw(st.integers(0, 2)) == 0
     if not sets and not key_change:  # an update changes something
         if base is not None:
@@ -177,7 +183,8 @@ def _ops(schema: Schema, depth: int = 0) -> st.SearchStrategy[Op]:
     table = st.integers(0, len(schema.tables) - 1)
     simple = st.one_of(
         table.flatmap(lambda i: _insert(schema, i)),
-        st.tuples(table, _bulk_counts).map(lambda p: BulkInsert(*p)),
+        st.tuples(table, _bulk_counts, st.integers(0, 3).map(lambda n: n == 0))
+        .map(lambda p: BulkInsert(*p)),
         table.flatmap(lambda i: _update(schema, i)),
         st.tuples(table, _wheres).map(lambda p: Delete(*p)),
     )
@@ -218,6 +225,8 @@ def _op_features(op: Op, schema: Schema) -> set[str]:
     if isinstance(op, Insert):
         return {"insert"}
     if isinstance(op, BulkInsert):
+        if op.again and table.base is not None and table.base.writable:
+            return {"insert", "key reused"}
         return {"insert", "large transaction"} if op.count >= 1200 else {"insert"}
     if isinstance(op, Delete):
         return {"delete"}

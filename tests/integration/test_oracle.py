@@ -25,7 +25,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import pg_versions
 from oracle_examples import EVERY_SHAPE, FULL_WITHOUT_EQUALITY, ONE_PARTITION_TRUNCATED, REQUIRED
-from oracle_explore import Difference, Example, Exploration, explore, report, runtime_features
+from oracle_explore import Example, Exploration, explore, report, runtime_features
 from oracle_rig import ROUTES, SOAK_ROUTES, Oracle
 from oracle_workload import features
 
@@ -37,7 +37,7 @@ EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "6"))
 MINUTES = float(os.environ.get("APPLIER_ORACLE_MINUTES", "0"))
 SEED = os.environ.get("APPLIER_ORACLE_SEED", "")
 #: Examples per soak round: a round is replayed whole by its seed.
-ROUND = 10
+ROUND = 5
 
 
 def _settings(version: int, target: bool) -> ServerSettings:
@@ -126,9 +126,12 @@ def _soak(oracle: Oracle, minutes: float) -> None:
     while time.monotonic() < deadline:
         try:
             explore(oracle, list(SOAK_ROUTES), round_seed, ROUND, found)
-        except Difference as exc:
+        except Exception as exc:
             differences.append(f"seed {round_seed}: {exc}")
-            print(f"\n=== difference (replay: ./dev soak --seed {round_seed}) ===\n{exc}", flush=True)
+            replay = (f"APPLIER_TEST_PG_VERSIONS={oracle.source.version} ./dev soak --seed "
+                      f"{round_seed}")
+            differences[-1] += f"\nreplay: {replay}"
+            print(f"\n=== difference (replay: {replay}) ===\n{exc}", flush=True)
         round_seed += 1
         print(f"{found.examples} examples in {found.seconds:.0f} s (rounds {first}..{round_seed - 1})",
               flush=True)

@@ -147,8 +147,10 @@ def _column_sql(column: Column, table: Table, types: UserTypes) -> str:
 def _generation(source: Column) -> str:
     """An immutable expression of ``source``: arithmetic for integers, length of text, else
     whether it is NULL (immutable for every type)."""
-    if source.type in ("int", "bigint", "int domain"):
+    if source.type in ("int", "int domain"):
         return f"{ident(source.name)}::bigint * 2 + 1"
+    if source.type == "bigint":
+        return f"{ident(source.name)} % 1000003 * 2 + 1"
     if source.type in ("text", "text domain", "large text"):
         return f"length({ident(source.name)})"
     return f"{ident(source.name)} IS NULL"

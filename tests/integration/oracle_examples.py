@@ -9,8 +9,10 @@ from __future__ import annotations
 from oracle_schema import Column, Schema, Table
 from oracle_values import UserTypes, literal
 from oracle_workload import (
+    AddColumn,
     BulkInsert,
     Delete,
+    DropColumn,
     Insert,
     Savepoint,
     Transaction,
@@ -20,7 +22,8 @@ from oracle_workload import (
     Workload,
 )
 
-__all__ = ["EVERY_SHAPE", "FULL_WITHOUT_EQUALITY", "ONE_PARTITION_TRUNCATED", "REQUIRED"]
+__all__ = ["COLUMN_ADDED_ON_THE_SOURCE", "EVERY_SHAPE", "FULL_WITHOUT_EQUALITY",
+           "ONE_PARTITION_TRUNCATED", "REQUIRED"]
 
 _TYPES = UserTypes("sp ace", "it's", "Ω", 'we"ird')
 _ENUM = '"sp ace"."it\'s"'
@@ -104,6 +107,14 @@ _WORKLOAD = Workload((
     Transaction((Savepoint((Insert(2, (("2", "'b'", "NULL"),)),), rollback=False),
                  Truncate((1, 2), restart_identity=True)), "commit", (17, 17, 17)),
     Transaction((Update(0, Where(), (("n", "DEFAULT"),), key_change=True),), "single", (18,)),
+    # Columns added (on the targets first) in a transaction that goes on writing, and dropped
+    # on the source alone; keys deleted and taken again; bursts of small transactions.
+    Transaction((AddColumn(2, "text", "'default'"), Insert(2, (("3", "'c'", "NULL"),)),
+                 AddColumn(4, "enum")), "commit", (19, 19, 19, 19)),
+    Transaction((DropColumn(0, "raw"),), "single", (20,)),
+    Transaction((Delete(1, Where(2, 0)), BulkInsert(1, 5, again=True)), "commit", (21, 21, 21)),
+    Transaction((Update(3, Where(), (("v", "NOT v"),)),), "single", (22,), repeat=20),
+    Transaction((BulkInsert(6, 1),), "single", (22,), repeat=30),
 ))
 
 #: Every shape and workload kind of the issue, in one example.
@@ -121,7 +132,8 @@ REQUIRED = frozenset({
     "insert", "update", "key change", "unchanged TOAST", "delete", "truncate",
     "savepoint rolled back", "savepoint released", "large transaction", "end single",
     "end commit", "end rollback", "end prepare, commit", "end prepare, rollback",
-    "interleaved transactions", "prepared across commits",
+    "interleaved transactions", "prepared across commits", "column added", "column dropped",
+    "key reused", "burst of small transactions",
 })
 
 # A partition truncated on its own is not published when its table is published through its
@@ -133,6 +145,16 @@ ONE_PARTITION_TRUNCATED = (
     Workload((Transaction((BulkInsert(0, 700),), "single"),
               Transaction((Truncate((0,), one_partition=True),), "single"),
               Transaction((Update(0, Where(), (("v", "'after'"),)),), "single"))))
+
+# A column added on the source alone: applier adds it to the target, PostgreSQL's subscriber
+# stops at the first row that has it.
+_PLAIN = Table("public", "p", (Column("id", "int", nullable=False), Column("v", "text")),
+               ("id",), "primary key")
+COLUMN_ADDED_ON_THE_SOURCE = (
+    Schema(_TYPES, (_PLAIN,)),
+    Workload((Transaction((BulkInsert(0, 5),), "single"),
+              Transaction((AddColumn(0, "jsonb", source_only=True), BulkInsert(0, 5),
+                           Update(0, Where(2, 1), (("v", "'changed'"),))), "commit"))))
 
 # json has no equality operator: PostgreSQL's subscriber cannot find a row of a FULL identity
 # table without a key by it, and stops.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psycopg
@@ -19,8 +20,10 @@ from oracle_schema import Schema, Table
 from oracle_values import TYPES, ident, literal, qualified
 from oracle_workload import (
     M2,
+    AddColumn,
     BulkInsert,
     Delete,
+    DropColumn,
     Insert,
     M,
     Op,
@@ -101,12 +104,16 @@ def _where(table: Table, where: Where) -> str:
 
 
 class _Statements:
-    """SQL of each op; numbers keys as it goes."""
+    """SQL of each op; numbers keys and added columns as it goes, and leaves the columns the
+    source dropped out of later statements."""
 
-    def __init__(self, schema: Schema) -> None:
+    def __init__(self, schema: Schema, on_targets: Callable[[str], None]) -> None:
         self.schema = schema
+        self.on_targets = on_targets
         self.next_key = [1] * len(schema.tables)
         self.generation = 0
+        self.added = 0
+        self.dropped: set[tuple[int, str]] = set()
 
     def of(self, op: Op) -> list[str]:
         if isinstance(op, Savepoint):
@@ -116,6 +123,13 @@ class _Statements:
         if isinstance(op, Truncate):
             return [self._truncate(op)]
         table = self.schema.tables[op.table]
+        if isinstance(op, AddColumn):
+            return [self._add(table, op)]
+        if isinstance(op, DropColumn):
+            if (op.table, op.column) in self.dropped:
+                return []
+            self.dropped.add((op.table, op.column))  # its transaction always commits
+            return [f"ALTER TABLE {table.qualified} DROP COLUMN {ident(op.column)}"]
         if isinstance(op, Insert):
             return [self._insert(table, op)]
         if isinstance(op, BulkInsert):
@@ -131,9 +145,25 @@ class _Statements:
         self.next_key[index] += count
         return first
 
+    def _add(self, table: Table, op: AddColumn) -> str:
+        """``ALTER TABLE ... ADD COLUMN`` for the source, run on every target first (unless
+        the source alone gets it)."""
+        self.added += 1
+        statement = (f"ALTER TABLE {table.qualified} ADD COLUMN {ident(f'added {self.added}')} "
+                     f"{TYPES[op.type].ddl(self.schema.types)}")
+        if op.default is not None:
+            statement += f" DEFAULT {op.default}"
+        if not op.source_only:
+            self.on_targets(statement)
+        return statement
+
+    def _kept(self, index: int, names: list[str]) -> list[bool]:
+        return [(index, name) not in self.dropped for name in names]
+
     def _insert(self, table: Table, op: Insert) -> str:
-        names = insert_columns(table)
-        rows = [list(row) for row in op.rows]
+        kept = self._kept(op.table, insert_columns(table))
+        names = [n for n, k in zip(insert_columns(table), kept) if k]
+        rows = [[v for v, k in zip(row, kept) if k] for row in op.rows]
         base = table.base
         if base is not None and base.writable:
             first = self._keys(op.table, len(rows))
@@ -155,6 +185,8 @@ class _Statements:
             names.append(base.name)
             expressions.append(_bulk_key(table, 0 if again else first - 1))
         for name in insert_columns(table):
+            if (op.table, name) in self.dropped:
+                continue
             column = table.column(name)
             if table.partitioning == "list" and name == table.key[1]:
                 expression = "(g % 4)"
@@ -176,7 +208,8 @@ class _Statements:
                 f"LIMIT {op.count}")
 
     def _update(self, table: Table, op: Update) -> list[str]:
-        sets = [f"{ident(name)} = {value}" for name, value in op.sets]
+        sets = [f"{ident(name)} = {value}" for name, value in op.sets
+                if (op.table, name) not in self.dropped]
         if op.key_change and table.base is not None:
             self.generation += 1
             sets.append(f"{ident(table.base.name)} = {_changed_key(table, self.generation)}")
@@ -194,9 +227,9 @@ class _Statements:
 
 
 class _Runner:
-    def __init__(self, dsn: str, schema: Schema) -> None:
+    def __init__(self, dsn: str, schema: Schema, on_targets: Callable[[str], None]) -> None:
         self.dsn = dsn
-        self.statements = _Statements(schema)
+        self.statements = _Statements(schema, on_targets)
         self.script = Script()
         self.sessions: list[psycopg.Connection] = []
         self.free: list[int] = []
@@ -255,10 +288,11 @@ class _Runner:
                 self._end_now(transactions, done, j)
             if txn.end == "single":
                 session = self.session()
-                for statement in self.statements.of(op):
-                    self.run(session, statement)
+                for _ in range(txn.repeat):
+                    for statement in self.statements.of(op):
+                        self.run(session, statement)
+                    self._committed()
                 self.free.append(session)
-                self._committed()
                 return
             if i not in self.open:
                 self.open[i] = self.session()
@@ -307,6 +341,8 @@ def _gid(transaction: int) -> str:
     return f"oracle {transaction} it's"
 
 
-def run_workload(dsn: str, schema: Schema, workload: Workload) -> Script:
-    """Run ``workload`` on the source database ``dsn``; the script of what ran."""
-    return _Runner(dsn, schema).execute(workload)
+def run_workload(dsn: str, schema: Schema, workload: Workload,
+                 on_targets: Callable[[str], None]) -> Script:
+    """Run ``workload`` on the source database ``dsn``; the script of what ran. ``on_targets``
+    runs a statement on every target (a column added there before the source adds it)."""
+    return _Runner(dsn, schema, on_targets).execute(workload)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
-from oracle_compare import contents, difference, has_marker
+from oracle_compare import columns, contents, difference, has_marker
 from oracle_execute import Script, run_workload
 from oracle_schema import MARKER, Schema
 from oracle_servers import RECOVERY_SECONDS, ServerLog, connect, drop_origins, execute, is_subscriber_crash, sessions
@@ -140,7 +140,8 @@ class Oracle:
             clock.lap("create")
             if live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=False)
-            outcome.script = run_workload(self.source.dsn(source_db), schema, workload)
+            outcome.script = run_workload(self.source.dsn(source_db), schema, workload,
+                                          lambda statement: self._on_targets(names, statement))
             execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
             clock.lap("workload")
             if not live:
@@ -190,6 +191,12 @@ class Oracle:
                 f"PUBLICATION oracle_leaf, oracle_root WITH (create_slot = false, "
                 f"slot_name = {literal(names['native'])}, copy_data = false, two_phase = true, "
                 f"streaming = {streaming})")
+
+    def _on_targets(self, names: dict[str, str], statement: str) -> None:
+        """Run ``statement`` on every target, as a migration of the replicas would. A consumer
+        may be committing to the table meanwhile: wait for it, but not forever."""
+        for database in names.values():
+            execute(self.target.dsn(database), "SET lock_timeout = '60s'", statement)
 
     def _start(self, routes: list[Route], names: dict[str, str], source_db: str, logs: Path,
                exit_when_caught_up: bool) -> dict[str, subprocess.Popen]:
@@ -273,9 +280,10 @@ class Oracle:
                  failures: dict[str, str], outcome: Outcome) -> None:
         with sessions(self.target, names) as targets, \
                 sessions(self.source, {"source": source_db}) as source:
-            truth = contents(lambda q: source.query("source", q), schema)
+            tables = columns(lambda q: source.query("source", q), schema)
+            truth = contents(lambda q: source.query("source", q), tables)
             native = truth if outcome.native_refused else contents(
-                lambda q: targets.query("native", q), schema)
+                lambda q: targets.query("native", q), tables)
             if not outcome.native_refused:
                 outcome.native_vs_source = difference(truth, native, "the source", "target A")
             for name in names:
@@ -284,7 +292,7 @@ class Oracle:
                 if name in failures:
                     outcome.differences[name] = failures[name]
                     continue
-                found = difference(native, contents(lambda q: targets.query(name, q), schema),
+                found = difference(native, contents(lambda q: targets.query(name, q), tables),
                                    "the oracle", "the route's target")
                 if found:
                     outcome.differences[name] = found

@@ -1,16 +1,18 @@
 """The oracle's workloads: transactions over an example's tables, as hypothesis draws them.
 
-Inserts (a few rows or a series large enough to be streamed, duplicates in FULL tables),
-updates (of values, of keys, leaving TOASTed values unchanged, of every row), deletes, truncates
-(RESTART IDENTITY, a single partition), savepoints rolled back or released, transactions
-committed, rolled back or prepared and later committed or rolled back, and several of them open
-at once on separate sessions, their statements interleaved.
+Inserts (a few rows or a series large enough to be streamed, duplicates in FULL tables, keys
+taken again), updates (of values, of keys, leaving TOASTed values unchanged, of every row, to
+what they were), deletes, truncates (RESTART IDENTITY, a single partition), columns added (on
+the targets first, or on the source alone) and dropped (on the source), savepoints rolled back
+or released, transactions committed, rolled back or prepared and later committed or rolled
+back, bursts of small ones, and several of them open at once on separate sessions, their
+statements interleaved.
 
 Every choice of rows is made from what the tables hold when the statement runs (a hash of the
 row's text, or its place in text order), and keys are made unique by construction: the base key
 of a row is a number the workload gives out once, and a changed key is ``base + M * n`` for a
 number ``n`` used once. So any part of a workload (which is what hypothesis' shrinking tries) is
-a valid workload too, and runs without a unique violation or a lock wait (``oracle_run``).
+a valid workload too, and runs without a unique violation or a lock wait (``oracle_execute``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from hypothesis import strategies as st
 from oracle_schema import Schema, Table
 from oracle_values import TYPES, ident
 
-__all__ = ["BulkInsert", "Delete", "Insert", "Op", "Savepoint", "Transaction", "Truncate", "Update",
-           "Where", "Workload", "features", "workloads"]
+__all__ = ["AddColumn", "BulkInsert", "Delete", "DropColumn", "Insert", "Op", "Savepoint",
+           "Transaction", "Truncate", "Update", "Where", "Workload", "droppable", "features",
+           "insert_columns", "tables_of", "workloads"]
 
 #: A changed int key is base + M * n (bigint: M2): bases stay below M, each n is used once.
 M, M2 = 1 << 17, 1 << 32
@@ -86,7 +89,29 @@ class Savepoint:
     rollback: bool
 
 
-Op = Insert | BulkInsert | Update | Delete | Truncate | Savepoint
+@dataclass(frozen=True)
+class AddColumn:
+    """A column added (``added <n>``, numbered as the workload runs), on every target first
+    (as users migrate a replica) unless ``source_only``: applier then adds it itself, and
+    PostgreSQL's subscriber stops at it (the source is then the oracle)."""
+
+    table: int
+    type: str
+    #: SQL value of its DEFAULT (None: none; a column added on the source alone has none).
+    default: str | None = None
+    source_only: bool = False
+
+
+@dataclass(frozen=True)
+class DropColumn:
+    """A column dropped on the source alone (the targets keep theirs); later statements leave
+    it out. Only in a transaction of its own, which always commits."""
+
+    table: int
+    column: str
+
+
+Op = Insert | BulkInsert | Update | Delete | Truncate | Savepoint | AddColumn | DropColumn
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,8 @@ class Transaction:
     #: Interleaving: a step (each op, the end, a prepared one's finish) runs when its priority
     #: is the lowest of every open transaction's next step (missing ones are 0).
     priorities: tuple[int, ...] = ()
+    #: A "single" one runs this many times, each its own transaction (a burst of small ones).
+    repeat: int = 1
 
     def steps(self) -> int:
         if self.end == "single":
@@ -131,6 +158,13 @@ _wheres = st.one_of(st.just(Where()),
                         lambda r: Where(m, r))),
                     st.integers(0, 30).map(lambda n: Where(nth=n)))
 _bulk_counts = st.one_of(st.integers(1, 30), st.integers(200, 400), st.integers(1200, 2500))
+_added_types = ("int", "text", "jsonb", "enum", "numeric", "timestamptz", "large text")
+
+
+def droppable(table: Table) -> list[str]:
+    """Columns the source may drop: none of the key, the partition key, or a stored column's."""
+    sources = {c.source for c in table.columns if c.generated == "stored"}
+    return [c.name for c in table.columns if c.name not in table.key and c.name not in sources]
 
 
 def _value(table: Table, name: str, schema: Schema) -> st.SearchStrategy[str]:
@@ -179,6 +213,17 @@ def _truncate(draw: st.DrawFn, schema: Schema, index: int) -> Truncate:
     return Truncate(tables, restart_identity=draw(st.booleans()), one_partition=one)
 
 
+@st.composite
+def _add_column(draw: st.DrawFn, schema: Schema, index: int) -> AddColumn:
+    kind = draw(st.sampled_from(_added_types))
+    # Seldom: PostgreSQL's subscriber stops at it, and the source is the oracle from there on.
+    if draw(st.integers(0, 3)) == 0:
+        return AddColumn(index, kind, source_only=True)
+    # A DEFAULT cannot hold a subquery (a large value's expression).
+    default = None if TYPES[kind].toast else draw(st.none() | TYPES[kind].values(schema.types))
+    return AddColumn(index, kind, default)
+
+
 def _ops(schema: Schema, depth: int = 0) -> st.SearchStrategy[Op]:
     table = st.integers(0, len(schema.tables) - 1)
     simple = st.one_of(
@@ -188,7 +233,8 @@ def _ops(schema: Schema, depth: int = 0) -> st.SearchStrategy[Op]:
         table.flatmap(lambda i: _update(schema, i)),
         st.tuples(table, _wheres).map(lambda p: Delete(*p)),
     )
-    rare = table.flatmap(lambda i: _truncate(schema, i))
+    truncate = table.flatmap(lambda i: _truncate(schema, i))
+    rare = st.one_of(truncate, truncate, table.flatmap(lambda i: _add_column(schema, i)))
     if depth == 0:
         savepoint = st.tuples(st.lists(_ops(schema, 1), min_size=1, max_size=3),
                               st.booleans()).map(lambda p: Savepoint(tuple(p[0]), p[1]))
@@ -201,11 +247,21 @@ def _transactions(draw: st.DrawFn, schema: Schema) -> Transaction:
     end = draw(st.sampled_from(["single", "commit", "commit", "rollback", "prepare, commit",
                                 "prepare, rollback"]))
     ops = draw(st.lists(_ops(schema), min_size=1, max_size=1 if end == "single" else 5))
-    if end == "single" and isinstance(ops[0], Savepoint):
-        end = "commit"
+    repeat = 1
+    if end == "single":
+        if isinstance(ops[0], Savepoint):
+            end = "commit"
+        elif draw(st.integers(0, 4)) == 0:  # a column dropped, alone
+            index = draw(st.integers(0, len(schema.tables) - 1))
+            names = droppable(schema.tables[index])
+            if names:
+                ops = [DropColumn(index, draw(st.sampled_from(names)))]
+        elif isinstance(ops[0], (Insert, BulkInsert, Update, Delete)) and draw(
+                st.integers(0, 3)) == 0:  # a burst of small transactions
+            repeat = draw(st.integers(2, 60))
     steps = Transaction(tuple(ops), end).steps()
     priorities = draw(st.lists(st.integers(0, 20), min_size=steps, max_size=steps))
-    return Transaction(tuple(ops), end, tuple(sorted(priorities)))
+    return Transaction(tuple(ops), end, tuple(sorted(priorities)), repeat)
 
 
 def workloads(schema: Schema, max_transactions: int = 10) -> st.SearchStrategy[Workload]:
@@ -221,6 +277,10 @@ def _op_features(op: Op, schema: Schema) -> set[str]:
         return found.union(*(_op_features(o, schema) for o in op.ops))
     if isinstance(op, Truncate):
         return {"truncate"}
+    if isinstance(op, AddColumn):
+        return {"column added on the source alone" if op.source_only else "column added"}
+    if isinstance(op, DropColumn):
+        return {"column dropped"}
     table = schema.tables[op.table]
     if isinstance(op, Insert):
         return {"insert"}
@@ -259,6 +319,8 @@ def features(schema: Schema, workload: Workload) -> set[str]:
             found.add("hostile identifiers")
     for txn in workload.transactions:
         found.add(f"end {txn.end}")
+        if txn.repeat > 1:
+            found.add("burst of small transactions")
         for op in txn.ops:
             found |= _op_features(op, schema)
     return found

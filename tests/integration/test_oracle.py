@@ -24,7 +24,13 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import pg_versions
-from oracle_examples import EVERY_SHAPE, FULL_WITHOUT_EQUALITY, ONE_PARTITION_TRUNCATED, REQUIRED
+from oracle_examples import (
+    COLUMN_ADDED_ON_THE_SOURCE,
+    EVERY_SHAPE,
+    FULL_WITHOUT_EQUALITY,
+    ONE_PARTITION_TRUNCATED,
+    REQUIRED,
+)
 from oracle_explore import Example, Exploration, explore, report, runtime_features
 from oracle_rig import ROUTES, SOAK_ROUTES, Oracle
 from oracle_workload import features
@@ -94,13 +100,19 @@ def test_a_replica_that_differs_from_its_source_where_the_stream_says_so(oracle:
     assert not outcome.differences, outcome.differences
 
 
-def test_where_postgresqls_subscriber_refuses_the_source_is_the_oracle(oracle: Oracle) -> None:
+@pytest.mark.parametrize("example, refusal", [
+    (FULL_WITHOUT_EQUALITY, "could not identify an equality operator for type json"),
+    (COLUMN_ADDED_ON_THE_SOURCE, 'is missing replicated column: "added 1"'),
+], ids=["json in a FULL table", "a column added on the source"])
+def test_where_postgresqls_subscriber_refuses_the_source_is_the_oracle(
+        oracle: Oracle, example: tuple, refusal: str) -> None:
     """json has no equality operator: PostgreSQL's subscriber cannot find a row of a FULL
-    identity table without a key by it, and stops; every route is held to the source."""
-    schema, workload = FULL_WITHOUT_EQUALITY
+    identity table without a key by it, and stops; it stops at a column the target lacks too,
+    which applier adds. Every route is held to the source."""
+    schema, workload = example
     outcome = oracle.check(schema, workload, list(ROUTES), live=False)
     assert outcome.native_refused is not None
-    assert "could not identify an equality operator for type json" in outcome.native_refused
+    assert refusal in outcome.native_refused, outcome.native_refused
     assert not outcome.differences, report(Example(schema, workload, False), outcome,
                                            list(ROUTES), 0)
 

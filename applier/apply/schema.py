@@ -13,6 +13,9 @@ target fit, along a safe list only:
 * a column gone from the source stays, and loses its NOT NULL when it has no default (new rows
   could not be inserted otherwise); a rename is a drop and an add.
 
+A target table that is a partition (its table published through its leaves) is changed through
+the root of its partition tree: a partition's columns are its tree's, as on the source.
+
 Any other change of a column's type seen in this session stops the worker, naming table, column
 and both types. Each change is made in the target transaction of the first row change that needs
 it (so a crash keeps both or neither), recorded in ``applier.schema_changes`` and logged. Where a
@@ -58,8 +61,23 @@ class TypeCache(dict[int, tuple[str, str]]):
 class _Change:
     kind: str            # add_column | widen | drop_not_null
     column: str
-    statement: sql.Composable
+    type_sql: str        # the column's type (add_column, widen)
     source: RelationColumn | None
+
+    def statement(self, table: sql.Composable, partition: bool) -> sql.Composable:
+        """The change, made on ``table``: the root of the partition tree when the target table
+        is a partition (``partition``), whose columns are its tree's. The next leaf of the tree
+        to need the same column finds it there, but not by reflecting its own table on another
+        connection, before the change commits: hence IF NOT EXISTS."""
+        column = sql.Identifier(self.column)
+        if self.kind == "add_column":
+            add = "ADD COLUMN IF NOT EXISTS" if partition else "ADD COLUMN"
+            return sql.SQL("ALTER TABLE {} {} {} {}").format(table, sql.SQL(add), column,
+                                                             sql.SQL(self.type_sql))
+        if self.kind == "widen":
+            return sql.SQL("ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
+                table, column, sql.SQL(self.type_sql))
+        return sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(table, column)
 
 
 class SchemaFollower:
@@ -76,22 +94,35 @@ class SchemaFollower:
         tx = self.tx
         subject = table.sql_name
         before_ddl(tx, subject)
+        root = self._partition_root(table)
+        altered = sql.SQL(root) if root is not None else sql.Identifier(table.schema, table.name)
         for change in changes:
-            tx.sql(change.statement.as_string())
+            statement = change.statement(altered, root is not None).as_string()
+            tx.sql(statement)
             log.info("schema change on %s: %s (the source's %s.%s changed)", table.sql_name,
-                     change.statement.as_string(), relation.namespace, relation.name)
+                     statement, relation.namespace, relation.name)
             current = tx.current
             tx.store.record_schema_change(SchemaChange(
-                table.schema, table.name, change.kind, change.statement.as_string(),
+                table.schema, table.name, change.kind, statement,
                 current.commit_lsn if current is not None else None))
             tx.pending["schema_change"] += 1
             table = self._after(table, change)
         after_ddl(tx, subject)
         return table
 
+    def _partition_root(self, table: TargetTable) -> str | None:
+        """The partitioned table at the root of ``table``'s partition tree when ``table`` is a
+        partition, as the apply session names it (schema-qualified: its search_path is empty);
+        else None."""
+        value = self.tx.sql(
+            "SELECT pg_catalog.pg_partition_root(c.oid)::pg_catalog.text "
+            "FROM pg_catalog.pg_class c WHERE c.oid = $1::pg_catalog.regclass AND c.relispartition",
+            [table.sql_name.encode()])
+        found = value.get_value(0, 0) if value.ntuples else None
+        return None if found is None else found.decode()
+
     # -- what must change -----------------------------------------------------------------------
     def _changes(self, relation: Relation, table: TargetTable, previous: Relation | None) -> list[_Change]:
-        name = sql.Identifier(table.schema, table.name)
         changes: list[_Change] = []
         before = {c.name: c for c in previous.columns} if previous is not None else {}
         for column in relation.columns:
@@ -99,18 +130,14 @@ class SchemaFollower:
             if target is not None and target.generated:
                 continue  # reported when mapped: a generated column cannot take values
             if target is None:
-                changes.append(_Change("add_column", column.name, sql.SQL(
-                    "ALTER TABLE {} ADD COLUMN {} {}").format(
-                        name, sql.Identifier(column.name), sql.SQL(self._type_sql(relation, column))),
-                    column))
+                changes.append(_Change("add_column", column.name,
+                                       self._type_sql(relation, column), column))
                 continue
             if _holds(target, column):
                 continue
             widened = self._widened(target, column)
             if widened is not None:
-                changes.append(_Change("widen", column.name, sql.SQL(
-                    "ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
-                        name, sql.Identifier(column.name), sql.SQL(widened)), column))
+                changes.append(_Change("widen", column.name, widened, column))
                 continue
             # Types that differ off the safe list: a target made so on purpose keeps its type
             # (values go through its input function, as ever), unless the source's type just
@@ -127,9 +154,7 @@ class SchemaFollower:
         present = {c.name for c in relation.columns}
         for target in table.columns.values():
             if target.name not in present and target.not_null and not target.has_default:
-                changes.append(_Change("drop_not_null", target.name, sql.SQL(
-                    "ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
-                        name, sql.Identifier(target.name)), None))
+                changes.append(_Change("drop_not_null", target.name, "", None))
         return changes
 
     def _after(self, table: TargetTable, change: _Change) -> TargetTable:

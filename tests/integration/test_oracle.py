@@ -39,7 +39,7 @@ from applier.embedded import ServerSettings, start_server
 
 pytestmark = pytest.mark.server
 
-EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "6"))
+EXAMPLES = int(os.environ.get("APPLIER_ORACLE_EXAMPLES", "4"))
 MINUTES = float(os.environ.get("APPLIER_ORACLE_MINUTES", "0"))
 SEED = os.environ.get("APPLIER_ORACLE_SEED", "")
 #: Examples per soak round: a round is replayed whole by its seed.

@@ -11,13 +11,15 @@ the subscription) run while the workload does; otherwise they start after it, on
 with ``--exit-when-caught-up``. A marker row committed last tells that a consumer is caught up.
 
 Every route's target is compared with target A, or, where PostgreSQL's subscriber cannot take
-the example (its apply worker errors), with the source itself. Everything is dropped afterwards.
+the example (its apply worker errors, or crashes), with the source itself. Everything is dropped
+afterwards, and the workers' logs too unless a route differed.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -150,6 +152,8 @@ class Oracle:
             clock.lap("wait")
             self._compare(schema, source_db, names, failures, outcome)
             clock.lap("compare")
+            if not outcome.differences:
+                shutil.rmtree(logs, ignore_errors=True)
             return outcome
         finally:
             self._drop(source_db, names, workers)
@@ -259,7 +263,8 @@ class Oracle:
         disabled, so that it does not go on failing), or None while it goes on."""
         crashes = [c for c in self.logs[self.target.name].crashes() if is_subscriber_crash(c)]
         if crashes:
-            reason = f"its apply worker crashed:\n{crashes[0]}"
+            what = crashes[0].splitlines()[-1].partition("LOG:")[2].strip()
+            reason = f"its apply worker crashed: {what}\n{crashes[0]}"
         elif query("SELECT apply_error_count FROM pg_stat_subscription_stats "
                    "WHERE subname = 'oracle'")[0][0]:
             reason = self.logs[self.target.name].apply_error() or "its apply worker failed"

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -141,14 +143,22 @@ def _soak(oracle: Oracle, minutes: float) -> None:
         except Exception as exc:
             differences.append(f"seed {round_seed}: {exc}")
             replay = (f"APPLIER_TEST_PG_VERSIONS={oracle.source.version} ./dev soak --seed "
-                      f"{round_seed}")
+                      f"{round_seed} --minutes 1")
             differences[-1] += f"\nreplay: {replay}"
             print(f"\n=== difference (replay: {replay}) ===\n{exc}", flush=True)
         round_seed += 1
         print(f"{found.examples} examples in {found.seconds:.0f} s (rounds {first}..{round_seed - 1})",
               flush=True)
     print(f"covered: {sorted(found.covered)}")
-    print(f"PostgreSQL's subscriber refused {len(found.native_refused)}: {found.native_refused[:5]}")
+    refusals = Counter(_first_line(reason) for reason in found.native_refused)
+    print(f"PostgreSQL's subscriber refused {len(found.native_refused)} example(s): "
+          f"{refusals.most_common()}")
     print(f"target A differed from the source {len(found.native_vs_source)} time(s): "
-          f"{found.native_vs_source[:5]}")
+          f"{[_first_line(found) for found in found.native_vs_source]}")
     assert not differences, f"{len(differences)} difference(s):\n\n" + "\n\n".join(differences)
+
+
+def _first_line(text: str) -> str:
+    """A reason's first line, without the LSNs and OIDs that make each one different."""
+    line = text.splitlines()[0] if text else ""
+    return re.sub(r'"pg_\d+"|\d+/[0-9A-F]+|transaction \d+', "...", line)[:160]

@@ -141,11 +141,11 @@ def _soak(oracle: Oracle, minutes: float) -> None:
         try:
             explore(oracle, list(SOAK_ROUTES), round_seed, ROUND, found)
         except Exception as exc:
-            differences.append(f"seed {round_seed}: {exc}")
+            differences.append(f"seed {round_seed}: {_describe(exc)}")
             replay = (f"APPLIER_TEST_PG_VERSIONS={oracle.source.version} ./dev soak --seed "
                       f"{round_seed} --minutes 1")
             differences[-1] += f"\nreplay: {replay}"
-            print(f"\n=== difference (replay: {replay}) ===\n{exc}", flush=True)
+            print(f"\n=== difference (replay: {replay}) ===\n{differences[-1]}", flush=True)
         round_seed += 1
         print(f"{found.examples} examples in {found.seconds:.0f} s (rounds {first}..{round_seed - 1})",
               flush=True)
@@ -162,3 +162,11 @@ def _first_line(text: str) -> str:
     """A reason's first line, without the LSNs and OIDs that make each one different."""
     line = text.splitlines()[0] if text else ""
     return re.sub(r'"pg_\d+"|\d+/[0-9A-F]+|transaction \d+', "...", line)[:160]
+
+
+def _describe(exc: BaseException) -> str:
+    """What went wrong, with every failure hypothesis grouped (a flaky one's first too)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return str(exc) + "".join(f"\n--- {i}: {_describe(sub)}"
+                                  for i, sub in enumerate(exc.exceptions, 1))
+    return str(exc)

@@ -198,9 +198,19 @@ class Oracle:
 
     def _on_targets(self, names: dict[str, str], statement: str) -> None:
         """Run ``statement`` on every target, as a migration of the replicas would. A consumer
-        may be committing to the table meanwhile: wait for it, but not forever."""
+        may hold the table meanwhile; and waiting in the lock queue can close a cycle no deadlock
+        detector sees (PostgreSQL's leader apply worker queued behind the ALTER, its parallel
+        worker waiting for the leader): so wait a little at a time, and try again."""
         for database in names.values():
-            execute(self.target.dsn(database), "SET lock_timeout = '60s'", statement)
+            deadline = time.monotonic() + CATCH_UP_SECONDS
+            while True:
+                try:
+                    execute(self.target.dsn(database), "SET lock_timeout = '1s'", statement)
+                    break
+                except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
 
     def _start(self, routes: list[Route], names: dict[str, str], source_db: str, logs: Path,
                exit_when_caught_up: bool) -> dict[str, subprocess.Popen]:

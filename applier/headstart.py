@@ -48,6 +48,7 @@ class HeadStart:
     start_lsn: LSN
     encoding: str
     source_position: LSN  # the source's WAL flush position just before the stream started
+                          # (also in ``stream.lineage``, with the server's identity)
     received_ahead: int = 0  # bytes the read-ahead thread received
     _reader: threading.Thread | None = field(default=None, repr=False)
     _wake: tuple[int, int] | None = field(default=None, repr=False)
@@ -125,7 +126,9 @@ def start_early(settings: Settings) -> HeadStart | None:
         stream = ReplicationStream(settings.required("source"), slot, options,
                                    status_interval=settings.status_interval, client_encoding=encoding)
         stream.connect()
-        source_position = stream.identify_system()[2]
+        # The worker checks this server against the target's records before it takes the
+        # stream (worker.session), and that must be read before START_REPLICATION.
+        source_position = stream.read_lineage().position
         stream.start(start_lsn, wait_for_slot=False)
     except (psycopg.Error, SourceError, UnsupportedOption) as exc:
         log.debug("no head start: %s", str(exc).strip())

@@ -2,9 +2,11 @@
 
 Owns the read-only queries that describe a slot on the source and the bookkeeping on the target
 (also used by the metrics probe, so both report the same lag), and the status report: a table,
-or JSON with ``--json``. Exit status (``ExitCode``): OK; FAILED when a server could not be read;
-CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never write to either
-database or touch the slot.
+or JSON with ``--json``; the failover part (the slot's failover flag, the source's
+synchronized_standby_slots, each ``--standby``'s settings and copy of the slot) comes from
+``failover``. Exit status (``ExitCode``): OK; FAILED when the source or the target could not be
+read; CHECK when the slot is missing, the lag exceeds ``--max-lag``, or a ``--standby`` could not
+take over the replica. Must never write to any database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
 ``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``) are read only
@@ -35,6 +37,15 @@ from ..protocol.lsn import LSN
 from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
 from ..units import readable_size
+from .failover import (
+    FailoverReport,
+    StandbyFacts,
+    assess,
+    read_primary,
+    read_standby,
+    render_failover,
+    standby_label,
+)
 from .lag import Lag, measure_lag
 
 if TYPE_CHECKING:
@@ -68,10 +79,13 @@ class StatusReport:
     change_feed: list[dict[str, Any]] | None
     spill_dir: str
     spill_bytes: int | None
+    failover: FailoverReport | None = None
     notes: list[str] = field(default_factory=list)
 
     def exit_status(self) -> ExitCode:
-        return ExitCode.CHECK if self.slot is None or self.lag_exceeded else ExitCode.OK
+        standbys_unready = self.failover is not None and not self.failover.ready
+        return (ExitCode.CHECK if self.slot is None or self.lag_exceeded or standbys_unready
+                else ExitCode.OK)
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -102,6 +116,16 @@ def collect_status(settings: Settings) -> StatusReport:
     with _reading("source", source_dsn) as source:
         database, wal_lsn = source_wal_position(source)
         slot = slot_info(source, slot_name)
+        primary = read_primary(source)
+    standbys: list[tuple[str, StandbyFacts | str]] = []
+    for standby_dsn in settings.standby:
+        label = standby_label(standby_dsn)
+        try:
+            with _reading(f"standby {label}", standby_dsn) as standby:
+                standbys.append((label, read_standby(standby, slot_name)))
+        except StatusError as exc:
+            standbys.append((label, str(exc)))
+    failover = assess(slot_name, slot, primary, wal_lsn, standbys)
     with _reading("target", target_dsn) as target:
         store = SqlBookkeeping(target)
         tables = store.tables()
@@ -121,7 +145,7 @@ def collect_status(settings: Settings) -> StatusReport:
                               sorted(store.publication_tables(slot_name).items())]
         change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
                        if "change_tables" in tables else None)
-    notes: list[str] = []
+    notes: list[str] = list(failover.warnings)
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
     elif slot.database != database:
@@ -141,7 +165,8 @@ def collect_status(settings: Settings) -> StatusReport:
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
-        change_feed=change_feed, spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
+        change_feed=change_feed, spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir),
+        failover=failover, notes=notes)
 
 
 class StatusError(Exception):
@@ -252,6 +277,8 @@ def render_table(report: StatusReport) -> str:
                  ("restart LSN", str(slot.restart_lsn or "none")),
                  ("WAL retained by slot", _size(report.retained_wal_bytes)),
                  ("WAL status", slot.wal_status or "unknown")]
+    if report.failover is not None:
+        rows += render_failover(report.failover)
     rows.append(("source WAL position", str(report.source_wal_lsn)))
     progress = report.progress
     if progress is None:

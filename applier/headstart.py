@@ -42,13 +42,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HeadStart:
-    """A stream started early from ``start_lsn``, for a target in ``encoding``, until taken."""
+    """A stream started early from ``start_lsn``, for a target in ``encoding``, until taken; the
+    server it reached and its WAL position then are in ``stream.lineage``."""
 
     stream: ReplicationStream | None
     start_lsn: LSN
     encoding: str
-    source_position: LSN  # the source's WAL flush position just before the stream started
-                          # (also in ``stream.lineage``, with the server's identity)
     received_ahead: int = 0  # bytes the read-ahead thread received
     _reader: threading.Thread | None = field(default=None, repr=False)
     _wake: tuple[int, int] | None = field(default=None, repr=False)
@@ -127,8 +126,9 @@ def start_early(settings: Settings) -> HeadStart | None:
                                    status_interval=settings.status_interval, client_encoding=encoding)
         stream.connect()
         # The worker checks this server against the target's records before it takes the
-        # stream (worker.session), and that must be read before START_REPLICATION.
-        source_position = stream.read_lineage().position
+        # stream (worker.session), and that must be read before START_REPLICATION; with it the
+        # source's WAL position, the goal of --exit-when-caught-up.
+        stream.read_lineage()
         stream.start(start_lsn, wait_for_slot=False)
     except (psycopg.Error, SourceError, UnsupportedOption) as exc:
         log.debug("no head start: %s", str(exc).strip())
@@ -136,6 +136,6 @@ def start_early(settings: Settings) -> HeadStart | None:
             stream.close()
         return None
     log.debug("stream started from %s before the worker loaded", start_lsn)
-    head_start = HeadStart(stream, start_lsn, encoding, source_position)
+    head_start = HeadStart(stream, start_lsn, encoding)
     head_start.read_ahead(settings.memory_budget // 4)
     return head_start

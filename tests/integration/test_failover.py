@@ -24,6 +24,7 @@ from failover_rig import (
     finish_prepared,
     worker_log_tail,
 )
+from psycopg.conninfo import conninfo_to_dict
 from replication import (
     REPO,
     assert_same_rows,
@@ -34,6 +35,8 @@ from replication import (
     wait_for,
     worker_env,
 )
+
+from applier.spark.snapshot import open_snapshot
 
 pytestmark = pytest.mark.server
 #: Failovers in the loop, there and back (odd: the first host listed ends as the standby). About
@@ -244,6 +247,9 @@ def _every_command_reaches_the_primary(source: FailingSource, target_db) -> None
     assert status.returncode == 0, status.stdout + status.stderr
     assert re.search(r"failover slot +yes", status.stdout), status.stdout
     assert re.search(rf"standby 127.0.0.1:{source.standby.port} +ready: copy synchronised", status.stdout)
+    # A snapshot Spark's partitions import names the one server that exported it.
+    with open_snapshot(source.dsn()) as snapshot:
+        assert conninfo_to_dict(snapshot.dsn)["port"] == str(source.primary.port)
     verify = _applier("verify", "--source", source.url(), "--target", target_db.dsn, "--publication",
                       "pub", "--settle", "30")
     assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -9,7 +9,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from applier.cli import parse_settings
 from applier.config import load_settings
-from applier.connections import reached, with_liveness
+from applier.connections import with_liveness
 from applier.ops.failover import PrimaryFacts, StandbyFacts, assess, render_failover
 from applier.progress.records import AppliedPosition, SourceIdentity
 from applier.protocol.lsn import LSN
@@ -109,20 +109,6 @@ def test_several_hosts_reach_the_primary_and_keep_every_host() -> None:
     assert (url["host"], url["port"], url["target_session_attrs"]) == ("a,b", "1,2", "primary")
     single = conninfo_to_dict(with_liveness("host=a dbname=app"))
     assert "target_session_attrs" not in single and single["connect_timeout"] == "10"
-
-
-def test_a_connection_names_the_one_host_it_reached() -> None:
-    class Info:
-        host, port = "b", 5433
-
-    class Conn:
-        info = Info()
-
-    pinned = conninfo_to_dict(reached("host=a,b port=5432,5433 dbname=app target_session_attrs=read-write",
-                                      Conn()))  # type: ignore[arg-type]
-    assert (pinned["host"], pinned["port"], pinned["dbname"]) == ("b", "5433", "app")
-    assert "target_session_attrs" not in pinned
-    assert reached("host=a dbname=app", Conn()) == "host=a dbname=app"  # type: ignore[arg-type]
 
 
 def test_standbys_are_connection_strings_never_cut_at_commas() -> None:

@@ -24,7 +24,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from .. import faults
 from ..connections import connect
+from ..faults import FailPoint
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.repairs import RepairCounts, Repairs
 from ..protocol.lsn import LSN
@@ -70,7 +72,9 @@ def repair_rows(source_dsn: str, target_dsn: str, slot: str, repairs: list[Keyed
                            source=source) as held:
             data = {r.spec.display: _source_rows(source, r) for r in repairs}
             held.reached()
+            faults.hit(FailPoint.REPAIR_HELD)
             counts = _write(target, slot, held.position, repairs, data)
+            faults.hit(FailPoint.AFTER_REPAIR)
         return RepairRound(held.position, counts)
     finally:
         source.close()

@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, TypeVar
 import psycopg
 from psycopg import sql
 
+from .. import faults
 from ..apply.dispatch import NO_HOLD, Applier
 from ..connections import connect
 from ..errors import Cause, TargetError
+from ..faults import FailPoint
 from ..progress import holds
 from ..progress.holds import HoldRequest
 from ..protocol.lsn import LSN
@@ -185,6 +187,7 @@ class Requests:
             self._query(holds.ack, hold.step, frontier, applied)
             if hold.hold_lsn is not None:
                 self.applier.counts["holds"] += 1
+                faults.hit(FailPoint.AFTER_HOLD_ACK)
             log.info("holding for verify: applied everything before %s (last commit %s)",
                      frontier, applied)
             while self._hold is not None and self._hold.step == hold.step:
@@ -206,6 +209,7 @@ class Requests:
         if copy is None:
             return
         sync_lsn = copy.open()
+        faults.hit(FailPoint.RESYNC_COPYING)
         assert self.applier.sync_filter is not None
         self.applier.sync_filter.copying(copy.keys, sync_lsn, copy.copied)
         copy.start()

@@ -35,7 +35,7 @@ from ..verify.held import held_position
 from ..verify.report import TableSpec, VerifyError
 from ..verify.snapshots import TEXT_SETTINGS
 
-__all__ = ["KeyedRepair", "RepairRound", "repair_rows"]
+__all__ = ["KeyedRepair", "RepairRound", "recorded_keys", "repair_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _write(target: psycopg.Connection[Any], slot: str, position: LSN, repairs: l
                 spec = repair.spec
                 counts[spec.display] = written = _write_table(target, repair, data[spec.display])
                 Repairs(target).record_repair(slot, (spec.schema, spec.name), position,
-                                              _recorded_keys(repair), written)
+                                              recorded_keys(repair), written)
                 log.info("repaired %s at %s: %d inserted, %d updated, %d deleted", spec.display,
                          position, written.inserted, written.updated, written.deleted)
     except psycopg.errors.LockNotAvailable as exc:
@@ -167,7 +167,7 @@ def _write_table(target: psycopg.Connection[Any], repair: KeyedRepair, rows: byt
     return RepairCounts(inserted, updated, deleted)
 
 
-def _recorded_keys(repair: KeyedRepair) -> list[Any]:
+def recorded_keys(repair: KeyedRepair) -> list[Any]:
     """The keys for the record: [low, high] ranges of a single integer key, else the keys."""
     if not repair.spec.integer_key:
         return [list(key) for key in repair.keys]

@@ -25,7 +25,7 @@ from ..errors import ApplierError
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..spark.session import SparkUnavailable
-from .held import worker_running
+from .held import NoPositionSnapshot, worker_running
 from .publications import published_tables
 from .report import TableResult, VerifyError, VerifyReport, format_table
 from .snapshots import held_snapshots, snapshots
@@ -59,6 +59,7 @@ def verify(source_dsn: str, target_dsn: str, publications: Sequence[str], tables
     rounds = 0
     pending = specs
     exact = False
+    notes: list[str] = []
     while True:
         rounds += 1
         if spark is not None:
@@ -67,19 +68,25 @@ def verify(source_dsn: str, target_dsn: str, publications: Sequence[str], tables
             wal_lsn, positions = report.source_wal_lsn, report.target_positions
             round_results = report.tables
         else:
-            opened = (held_snapshots(source_dsn, target_dsn, slot, hold_timeout)
-                      if hold_timeout is not None and slot is not None
-                      else snapshots(source_dsn, target_dsn, slot))
-            with opened as snaps:
-                round_results = [compare_sql(snaps, spec, max_keys) for spec in pending]
-                wal_lsn, positions, exact = snaps.source_wal_lsn, snaps.target_positions, snaps.exact
+            try:
+                opened = (held_snapshots(source_dsn, target_dsn, slot, hold_timeout)
+                          if hold_timeout is not None and slot is not None
+                          else snapshots(source_dsn, target_dsn, slot))
+                with opened as snaps:
+                    round_results = [compare_sql(snaps, spec, max_keys) for spec in pending]
+                    wal_lsn, positions, exact = snaps.source_wal_lsn, snaps.target_positions, snaps.exact
+            except NoPositionSnapshot as exc:
+                notes.append(f"{exc}: each side was read as it is instead")
+                hold_timeout = None
+                rounds -= 1
+                continue
         results.update((r.table, r) for r in round_results)
         pending = [s for s, r in zip(pending, round_results) if not r.equal and r.error is None]
         if exact or not pending or time.monotonic() + 1 > deadline:
             break
         time.sleep(1)  # give the worker time to apply what was in flight
     ordered = [results[s.display] for s in specs]
-    return VerifyReport(engine, wal_lsn, positions, rounds, ordered, exact=exact)
+    return VerifyReport(engine, wal_lsn, positions, rounds, ordered, exact=exact, notes=notes)
 
 
 def _holding_slot(settings: Settings) -> tuple[str | None, str | None]:
@@ -118,6 +125,8 @@ def run_verify(settings: Settings) -> int:
         if note:
             report.notes.append(note)
         if settings.repair and slot is not None and not report.equal:
+            if not report.exact:
+                raise VerifyError(f"--repair needs a comparison at one position: {report.notes[-1]}")
             from ..repair import repair_differences  # writes: only with --repair
             report.repairs = repair_differences(settings, slot, report)
     except (VerifyError, psycopg.Error, ApplierError) as exc:

@@ -33,7 +33,7 @@ from ..protocol.lsn import LSN
 from ..sync.snapshot import ExportedSnapshot, temporary_slot_name
 from .report import VerifyError
 
-__all__ = ["Held", "held_position", "worker_running"]
+__all__ = ["Held", "NoPositionSnapshot", "held_position", "worker_running"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,11 @@ ANSWER_POLL = 0.01
 def worker_running(conn: psycopg.Connection[Any], slot: str) -> bool:
     """A worker holds ``slot``'s lock on the target ``conn`` connects to."""
     return lock_holder(conn, slot) is not None
+
+
+class NoPositionSnapshot(VerifyError):
+    """The source would not give a snapshot with a known position (a temporary slot): no
+    REPLICATION privilege, no free slot or WAL sender. Nothing was held."""
 
 
 @dataclass
@@ -96,8 +101,9 @@ def _import_snapshot(source_dsn: str, slot: str, purpose: str,
         snapshot = ExportedSnapshot.create(source_dsn, temporary_slot_name(slot, purpose),
                                            temporary=True, two_phase=False)
     except ApplierError as exc:
-        raise VerifyError(f"cannot take a snapshot with a known position on the source: {exc} "
-                          "(it needs room for one more replication slot and WAL sender)") from exc
+        raise NoPositionSnapshot(f"the source gave no snapshot with a known position ({exc}); it "
+                                 "takes a role with REPLICATION and room for one more replication "
+                                 "slot and WAL sender") from exc
     try:
         if source.autocommit:
             source.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")

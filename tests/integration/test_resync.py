@@ -135,3 +135,18 @@ def test_refused_before_anything_changes(source_db, target_db) -> None:
     assert done.returncode == 0, done.stderr
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, "t1")
+
+
+def test_stopped_while_it_copies_first_the_worker_exits_cleanly(source_db, target_db, tmp_path) -> None:
+    _setup(source_db, target_db, "t1")
+    source_db.execute("INSERT INTO t1 SELECT g, repeat('w', 100) FROM generate_series(3001, 400000) g")
+    run_worker(source_db, target_db)
+    assert resync(source_db, target_db, "--table", "t1").returncode == 0
+    log = tmp_path / "worker.log"
+    worker = start_worker(source_db, target_db, log_path=log)
+    wait_for(lambda: target_db.query("SELECT state FROM applier.publication_tables") == [("copying",)],
+             what="the copy to start")
+    assert stop_worker(worker) == 0, log.read_text()[-4000:]
+    assert "stopped on signal" in log.read_text()
+    run_worker(source_db, target_db)  # copies it again first
+    assert_same_rows(source_db, target_db, "t1")

@@ -1,6 +1,6 @@
 """The record of what ``applier resync`` and ``applier verify --repair`` did (``applier.repairs``),
 and the ``resync`` state of a table in ``applier.publication_tables`` that asks the worker to
-copy it again.
+copy it again (and back to ``published`` once copied, unless asked again meanwhile).
 
 Owns that SQL, on whatever connection the caller holds (a psycopg connection or a SQLAlchemy one,
 as ``bookkeeping``), inside the caller's transaction: a resync request and its record commit
@@ -63,7 +63,7 @@ class Repairs:
                             "state) SELECT %(slot)s, 'resync', %(schema)s, %(name)s, 'requested' "
                             "WHERE NOT EXISTS (SELECT FROM applier.repairs WHERE slot_name = "
                             "%(slot)s AND kind = 'resync' AND schema_name = %(schema)s AND "
-                            "table_name = %(name)s AND state <> 'done')", params)
+                            "table_name = %(name)s AND state = 'requested')", params)
         notify(self.conn, slot)
 
     def resync_started(self, slot: str, tables: Iterable[TableName]) -> None:
@@ -74,15 +74,21 @@ class Repairs:
                             "schema_name = %(schema)s AND table_name = %(name)s AND state <> 'done'",
                  {"slot": slot, "schema": schema, "name": name})
 
-    def resync_done(self, slot: str, tables: Iterable[TableName], sync_lsn: LSN) -> None:
-        """The copy of ``tables`` from the snapshot at ``sync_lsn`` is committed."""
+    def copies_done(self, slot: str, tables: Iterable[TableName], sync_lsn: LSN) -> None:
+        """The copy of ``tables`` from the snapshot at ``sync_lsn`` is committed: published again
+        (unless marked for another resync meanwhile, which a later copy makes), and the resync
+        recorded as done."""
         for schema, name in tables:
+            rows(self.conn, "UPDATE applier.publication_tables SET state = 'published', changed_at = "
+                            "clock_timestamp() WHERE slot_name = %(slot)s AND schema_name = "
+                            "%(schema)s AND table_name = %(name)s AND state = 'copying'",
+                 {"slot": slot, "schema": schema, "name": name})
             rows(self.conn, "UPDATE applier.repairs r SET state = 'done', source_lsn = "
                             "%(lsn)s::pg_lsn, finished_at = clock_timestamp(), inserted = "
                             "(SELECT rows_copied FROM applier.table_sync s WHERE s.slot_name = "
                             "r.slot_name AND s.schema_name = r.schema_name AND s.table_name = "
                             "r.table_name) WHERE slot_name = %(slot)s AND kind = 'resync' AND "
-                            "schema_name = %(schema)s AND table_name = %(name)s AND state <> 'done'",
+                            "schema_name = %(schema)s AND table_name = %(name)s AND state = 'copying'",
                  {"slot": slot, "schema": schema, "name": name, "lsn": str(sync_lsn)})
 
     # -- repair -------------------------------------------------------------------------------------

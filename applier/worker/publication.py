@@ -169,9 +169,9 @@ class PublicationFollower:
                              CopyRound(self.slot, tables, False, ours), self.stop)
         except CopyStopped:
             raise StopRequested() from None  # SIGTERM: the next start copies them again
-        self._set(keys, "published")
         with connect(self.target) as conn:
-            Repairs(conn).resync_done(self.slot, keys, lsn)
+            Repairs(conn).copies_done(self.slot, keys, lsn)  # published again
+        self._known.update(dict.fromkeys(keys, "published"))
         log.info("copied %s in %.1f s (sync LSN %s): its changes from then on are applied", names,
                  time.monotonic() - started, lsn)
         return {t.key: lsn for t in tables}

@@ -74,8 +74,7 @@ class RunningCopy:
             finally:
                 opened.close()
             with connect(self.settings.required("target")) as conn:
-                SqlBookkeeping(conn).set_publication_tables(self.slot, self.keys, "published")
-                Repairs(conn).resync_done(self.slot, self.keys, opened.sync_lsn)
+                Repairs(conn).copies_done(self.slot, self.keys, opened.sync_lsn)
             log.info("copied %s again in %.1f s (sync LSN %s): its changes from then on are applied",
                      self.names, time.monotonic() - self._started, opened.sync_lsn)
             self.copied.set()

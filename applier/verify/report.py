@@ -145,5 +145,8 @@ def format_table(report: VerifyReport) -> str:
         lines.append(f"source read at WAL {report.source_wal_lsn}; target had applied {slots}; "
                      f"{report.rounds} round(s); engine {report.engine}")
     lines += [f"note: {note}" for note in report.notes]
-    lines.append("EQUAL" if report.equal else "DIFFERENT")
+    if report.repairs and all(r["action"] != "refused" for r in report.repairs):
+        lines.append("DIFFERENT, REPAIRED")
+    else:
+        lines.append("EQUAL" if report.equal else "DIFFERENT")
     return "\n".join(lines)

@@ -100,6 +100,9 @@ def _holding_slot(settings: Settings) -> tuple[str | None, str | None]:
                           "one position its worker holds at" if slots else None)
         slot = settings.slot or slots[0]
         if worker_running(target, slot):
+            if "position_holds" not in SqlBookkeeping(target).tables():
+                return None, ("the target's bookkeeping predates holding at a position (the "
+                              "worker upgrades it at its start): each side was read as it is")
             return slot, None
     return None, (f"no worker runs for slot {slot!r}: each side was read as it is, so a change "
                   "not applied yet shows as a difference (start the worker to compare at one "

@@ -106,3 +106,27 @@ def test_repaired_integer_keys_are_recorded_as_ranges() -> None:
     assert recorded_keys(KeyedRepair(spec, keys)) == [[3, 5], [7, 7], [10, 10]]
     pairs = TableSpec("public", "p", ("a", "b"), ("a", "b"), False, None)
     assert recorded_keys(KeyedRepair(pairs, [["k", "1"]])) == [["k", "1"]]
+
+
+def test_a_transaction_applied_as_it_streams_commits_only_once_the_hold_lets_go() -> None:
+    from test_apply_streaming import _early, _finish, _streamed_insert
+
+    r = rig(fast=True)
+    r.applier.relation(relation())
+    early, seconds, _ = _early(r)
+    assert early.open(900)
+    early.schema(relation())
+    assert early.change(_streamed_insert(900, 1))
+    transaction(r, 700, 0x100, insert(50))  # before the position: in the main session's batch
+    held: list[tuple[LSN, list[LSN], int]] = []
+
+    def on_hold(lsn: LSN) -> None:
+        held.append((lsn, list(r.commits), len(seconds[0].transactions)))
+        r.applier.hold_before = NO_HOLD
+
+    r.applier.on_hold = on_hold
+    r.applier.hold_before = LSN(0x200)
+    assert _finish(early, 900, 0x200)
+    # Held with the batch before it committed and the streamed transaction not yet.
+    assert held == [(LSN(0x200), [LSN(0x108)], 0)]
+    assert r.commits == [LSN(0x108), LSN(0x208)]

@@ -19,6 +19,7 @@ anything itself.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -39,7 +40,6 @@ from .publication import PublicationFollower
 from .resync import RunningCopy
 
 if TYPE_CHECKING:
-    from ..assembler import Assembler
     from ..source import ReplicationStream
 
 __all__ = ["POLL_SECONDS", "Requests"]
@@ -60,13 +60,12 @@ KEEPALIVE_ASK = 0.05
 
 class Requests:
     def __init__(self, target_dsn: str, slot: str, applier: Applier, stream: ReplicationStream,
-                 assembler: Assembler, publications: PublicationFollower,
-                 stopping: Callable[[], bool], early_open: Callable[[], bool]) -> None:
+                 publications: PublicationFollower, stopping: Callable[[], bool],
+                 early_open: Callable[[], bool]) -> None:
         self.target_dsn = target_dsn
         self.slot = slot
         self.applier = applier
         self.stream = stream
-        self.assembler = assembler
         self.publications = publications
         self.stopping = stopping
         #: A streamed transaction is open in the early session (a copy cannot start beside it).
@@ -208,12 +207,16 @@ class Requests:
         copy = self.publications.resync(tables, beside_stream=not recorded and not self.early_open())
         if copy is None:
             return
-        sync_lsn = copy.open()
+        self.copy = copy
+        copy.start()
+        self._wait(copy.opened, copy)  # the tables emptied and the snapshot taken
+        sync_lsn = copy.sync_lsn
+        if sync_lsn is None:
+            copy.check()  # it failed
+            raise StopRequested()  # it was stopped
         faults.hit(FailPoint.RESYNC_COPYING)
         assert self.applier.sync_filter is not None
         self.applier.sync_filter.copying(copy.keys, sync_lsn, copy.copied)
-        copy.start()
-        self.copy = copy
 
     def _wait_for_copy(self) -> None:
         """A change to a table being copied, committed after its snapshot: wait for the copy."""
@@ -222,8 +225,12 @@ class Requests:
             return
         log.info("waiting for the copy of %s: a change to it committed after its snapshot "
                  "comes next", copy.names)
-        while not copy.done.wait(0.05):
+        self._wait(copy.done, copy)
+        copy.check()
+
+    def _wait(self, event: threading.Event, copy: RunningCopy) -> None:
+        """Until ``event`` (or the copy's end), keeping the replication connection alive."""
+        while not event.wait(0.05) and not copy.done.is_set():
             if self.stopping():
                 raise StopRequested()
             self.stream.send_status_if_due()
-        copy.check()

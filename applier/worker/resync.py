@@ -1,14 +1,14 @@
 """Tables copied again beside the stream: what a running worker does for ``applier resync``.
 
-Owns one such copy: opened in the worker's thread between source transactions, with nothing of
-this worker open on the target (the tables marked copying and emptied, the snapshot of a
-temporary slot taken: its consistent point is their new sync LSN, and the apply stage from then
-on skips their changes committed before it and holds back later ones until the copy commits,
-``apply.sync_filter``), then run in a thread of its own while the worker streams the other
-tables; the record of the resync (``applier.repairs``) and the tables' state in
-``applier.publication_tables`` move with it. The copy is ``applier sync``'s (``sync.tables``). A
-copy that fails or is cut short leaves its tables 'copying': the next session copies them again
-before streaming (``publication``). Must never apply a row change itself.
+Owns one such copy, in a thread of its own: opened while the worker waits between source
+transactions, with nothing of it open on the target (the tables marked copying and emptied, the
+snapshot of a temporary slot taken: its consistent point is their new sync LSN, and the apply
+stage from then on skips their changes committed before it and holds back later ones until the
+copy commits, ``apply.sync_filter``), then run while the worker streams the other tables; the
+record of the resync (``applier.repairs``) and the tables' state in ``applier.publication_tables``
+move with it. The copy is ``applier sync``'s (``sync.tables``). A copy that fails or is cut short
+leaves its tables 'copying': the next session copies them again before streaming
+(``publication``). Must never apply a row change itself.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ class RunningCopy:
         self.tables = tables
         self.keys: list[TableName] = [t.key for t in tables]
         self.names = ", ".join(t.sql_name for t in tables)
-        #: Set once the copy committed (``copied``), or once it ended either way (``done``).
+        #: Set once the tables are emptied and the snapshot taken (``opened``), once the copy
+        #: committed (``copied``), once it ended either way (``done``).
+        self.opened = threading.Event()
         self.copied = threading.Event()
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -49,31 +51,34 @@ class RunningCopy:
         self._opened: OpenRound | None = None
         self._started = 0.0
 
-    def open(self) -> LSN:
-        """Mark the tables copying, empty them and take the snapshot; its consistent point."""
-        target = self.settings.required("target")
-        self._started = time.monotonic()
-        log.info("copying %s again (applier resync) beside the stream", self.names)
-        with connect(target) as conn:
-            SqlBookkeeping(conn).set_publication_tables(self.slot, self.keys, "copying")
-            Repairs(conn).resync_started(self.slot, self.keys)
-        self._opened = open_round(self.settings, make_engine(target),
-                                  CopyRound(self.slot, self.tables, False, frozenset(self.keys)))
-        return self._opened.sync_lsn
+    @property
+    def sync_lsn(self) -> LSN | None:
+        """The snapshot's consistent point, once the tables are emptied and it is taken."""
+        return self._opened.sync_lsn if self._opened is not None else None
 
     def start(self) -> None:
+        """Open the round and copy, in a thread of its own: ``opened`` once the tables are
+        emptied and the snapshot taken, ``done`` at the end."""
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="applier-resync", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        opened = self._opened
-        assert opened is not None
+        target = self.settings.required("target")
         try:
+            log.info("copying %s again (applier resync) beside the stream", self.names)
+            with connect(target) as conn:
+                SqlBookkeeping(conn).set_publication_tables(self.slot, self.keys, "copying")
+                Repairs(conn).resync_started(self.slot, self.keys)
+            opened = self._opened = open_round(
+                self.settings, make_engine(target),
+                CopyRound(self.slot, self.tables, False, frozenset(self.keys)))
+            self.opened.set()
             try:
                 opened.copy(self._stop)
             finally:
                 opened.close()
-            with connect(self.settings.required("target")) as conn:
+            with connect(target) as conn:
                 Repairs(conn).copies_done(self.slot, self.keys, opened.sync_lsn)
             log.info("copied %s again in %.1f s (sync LSN %s): its changes from then on are applied",
                      self.names, time.monotonic() - self._started, opened.sync_lsn)
@@ -93,5 +98,3 @@ class RunningCopy:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
-        elif self._opened is not None:
-            self._opened.close()

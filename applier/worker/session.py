@@ -139,8 +139,8 @@ class ReplicationSession:
                                   early=early)
             flushed = early.flushed_wal_lsn if early is not None else target.flushed_wal_lsn
             streaming = early
-            requests = Requests(settings.required("target"), self.slot, applier, stream, assembler,
-                                publications, self.stopping.is_set,
+            requests = Requests(settings.required("target"), self.slot, applier, stream, publications,
+                                self.stopping.is_set,
                                 lambda: streaming is not None and streaming.applying)
             requests.start()  # a position to hold at is honoured from the first transaction on
             loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from live import wait_streaming
 from replication import (
     REPO,
     assert_same_rows,
@@ -68,10 +69,6 @@ def resync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
-def _streaming(source_db) -> bool:
-    return source_db.query("SELECT active FROM pg_replication_slots WHERE slot_name = 's'") == [(True,)]
-
-
 def _records(target_db, table: str) -> list[tuple]:
     return target_db.query("SELECT kind, state, source_lsn IS NOT NULL, inserted FROM applier.repairs "
                            "WHERE table_name = %s ORDER BY id", (table,))
@@ -86,7 +83,7 @@ def test_a_running_worker_copies_a_table_again_while_the_others_stream(
     writer.start()
     worker = start_worker(source_db, target_db, log_path=log)
     try:
-        wait_for(lambda: _streaming(source_db), what="the worker to stream")
+        wait_streaming(source_db, target_db)
         wait_for(lambda: writer.writes > 50, what="writes")
         target_db.execute("DELETE FROM t2 WHERE id <= 100")  # damage: gone, changed, added
         target_db.execute("UPDATE t2 SET v = 'damaged' WHERE id BETWEEN 500 AND 520")

@@ -144,7 +144,8 @@ class SchemaFollower:
             old = columns.get(change.column)
             columns[change.column] = TargetColumn(
                 change.column, type_sql, False, has_equality, type_oid, source.type_modifier,
-                old.not_null if old else False, old.has_default if old else False)
+                old.not_null if old else False, old.has_default if old else False,
+                old.identity_always if old else False)
         return replace(table, columns=columns)
 
     def _target_type(self, table: TargetTable, column: str) -> tuple[int, str, bool]:

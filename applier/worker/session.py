@@ -119,7 +119,8 @@ class ReplicationSession:
                 loop.committed(end_lsn, target_lsn)
 
             applier = self._applier(target, options, reflector, on_commit,
-                                    lambda msg: publications.relation(msg.namespace, msg.name), feeds)
+                                    lambda msg: publications.relation(msg.namespace, msg.name, msg.relation_id),
+                                    feeds)
             applied = applier.tx.applied
             stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
             self.stream = stream

@@ -1,14 +1,14 @@
 """Repairs of a running replica: the position a verify or repair asks the worker to hold at, and
 the record of every table copied again (resync) or whose rows were repaired.
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 """
 
 from alembic import op
 
-revision = "0008"
-down_revision = "0007"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 

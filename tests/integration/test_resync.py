@@ -55,12 +55,15 @@ class Writer(threading.Thread):
 
 
 def _setup(source_db, target_db, *tables: str) -> None:
+    """``tables`` with 3,000 rows each, replicated by the worker (so the target's rows are its own)."""
     for db in (source_db, target_db):
         for table in tables:
             db.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, v text)")
-            db.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 3000) g")
     source_db.execute(f"CREATE PUBLICATION pub FOR TABLE {', '.join(tables)}")
     create_slot(source_db)
+    for table in tables:
+        source_db.execute(f"INSERT INTO {table} SELECT g, 'v' || g FROM generate_series(1, 3000) g")
+    run_worker(source_db, target_db)
 
 
 def resync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
@@ -77,7 +80,6 @@ def _records(target_db, table: str) -> list[tuple]:
 def test_a_running_worker_copies_a_table_again_while_the_others_stream(
         source_db, target_db, tmp_path: Path) -> None:
     _setup(source_db, target_db, "t1", "t2")
-    run_worker(source_db, target_db)
     log = tmp_path / "worker.log"
     writer = Writer(source_db.dsn, ["t1", "t2"])
     writer.start()
@@ -105,7 +107,6 @@ def test_a_running_worker_copies_a_table_again_while_the_others_stream(
 
 def test_with_no_worker_running_the_next_run_copies_first(source_db, target_db) -> None:
     _setup(source_db, target_db, "t1")
-    run_worker(source_db, target_db)
     target_db.execute("DELETE FROM t1 WHERE id % 7 = 0")
     done = resync(source_db, target_db, "--table", "public.t1")
     assert done.returncode == 0, done.stderr
@@ -120,7 +121,6 @@ def test_refused_before_anything_changes(source_db, target_db) -> None:
     _setup(source_db, target_db, "t1")
     source_db.execute("CREATE TABLE other (id int PRIMARY KEY)")
     target_db.execute("ALTER TABLE t1 ADD COLUMN note text DEFAULT 'mine'")
-    run_worker(source_db, target_db)
     states = target_db.query("SELECT * FROM applier.publication_tables")
     refused = resync(source_db, target_db, "--table", "t1,other")
     assert refused.returncode == 1

@@ -2,8 +2,9 @@
 
 Owns: the description of one table to compare (``TableSpec``), the result per table
 (``TableResult``) and for the whole run (``VerifyReport``, also as JSON), the aligned text form
-of a report, the range sizes both engines aim at, and ``VerifyError``. Pure data and formatting:
-must never connect to a database or import an engine.
+of a report, what ``--repair`` would do to a differing table (``repair_plan``: by key, or a
+whole copy beyond ``REPAIR_KEYS``), the range sizes both engines aim at, and ``VerifyError``. Pure
+data and formatting: must never connect to a database or import an engine.
 """
 
 from __future__ import annotations

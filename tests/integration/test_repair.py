@@ -6,6 +6,7 @@ keyless table is copied again whole."""
 from __future__ import annotations
 
 import random
+import re
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ from replication import (
     wait_slot_inactive,
     worker_env,
 )
+from test_ops import http_get, metrics_url, sample
 
 from applier.exit_codes import ExitCode
 
@@ -134,7 +136,8 @@ def test_a_keyless_table_is_copied_again_whole(source_db, target_db, tmp_path) -
     source_db.execute("INSERT INTO bag SELECT g % 10, 'dup' FROM generate_series(1, 1000) g")
     run_worker(source_db, target_db)
     log = tmp_path / "worker.log"
-    worker = start_worker(source_db, target_db, log_path=log)
+    worker = start_worker(source_db, target_db, "--metrics-port", "0", "--metrics-address",
+                          "127.0.0.1", "--status-interval", "1", log_path=log)
     try:
         wait_streaming(source_db, target_db)
         target_db.execute("DELETE FROM bag WHERE ctid IN (SELECT ctid FROM bag WHERE x = 3 LIMIT 2)")
@@ -150,9 +153,20 @@ def test_a_keyless_table_is_copied_again_whole(source_db, target_db, tmp_path) -
                  timeout=120, what="the resync")
         rc, report = verify(source_db, target_db)
         assert rc == ExitCode.OK, report
+        # Shown by the metrics (the probe reads applier.repairs every status interval) and status.
+        base = metrics_url(log)
+        wait_for(lambda: sample(http_get(f"{base}/metrics")[1], "applier_repairs_total",
+                                kind="resync") == 1, what="the resync in the metrics")
+        text = http_get(f"{base}/metrics")[1]
+        assert sample(text, "applier_resyncs_pending") == 0
+        assert (sample(text, "applier_verify_holds_total") or 0) >= 3  # two verifies and a repair's
+        assert sample(text, "applier_repaired_rows_total", kind="resync") == 1000
     finally:
         assert stop_worker(worker) == 0, log.read_text()[-4000:]
     assert_same_rows(source_db, target_db, "bag")
+    status = applier("status", *servers(source_db, target_db), "--slot", "s")
+    assert re.search(r"public\.bag: resync done at [0-9A-F]+/[0-9A-F]+: 1000 rows copied", status.stdout), \
+        status.stdout
 
 
 #: How verify --repair and its worker die, one scenario after the other: at a named point (the

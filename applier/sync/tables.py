@@ -87,14 +87,17 @@ class OpenRound:
     def sync_lsn(self) -> LSN:
         return self.snapshot.consistent_point
 
-    def copy(self, stop: threading.Event, tick: Callable[[], None] | None = None) -> None:
+    def copy(self, stop: threading.Event, tick: Callable[[], None] | None = None, *,
+             live_display: bool = True) -> None:
+        """Copy the tables; progress is drawn live on a terminal (``live_display``: nothing else
+        writes to it meanwhile), else logged."""
         settings, tables = self.settings, self.round.tables
         source_dsn, target_dsn = settings.required("source"), settings.required("target")
         tasks = plan_tasks(self.plans, settings.range_size, self.block_size)
         log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
                  "(consistent point %s), relaying in %s", len(tables), len(tasks), settings.jobs,
                  self.snapshot.name, self.sync_lsn, "C" if self.relay_in_c else "Python")
-        with CopyProgress(tables, target_dsn, interactive=sys.stderr.isatty(),
+        with CopyProgress(tables, target_dsn, interactive=live_display and sys.stderr.isatty(),
                           interval=settings.progress_interval) as progress:
             copy_tables(source_dsn, target_dsn, self.round.slot, self.snapshot, tasks, settings.jobs,
                         progress, self.encoding, stop, tick)

@@ -75,7 +75,7 @@ class RunningCopy:
                 CopyRound(self.slot, self.tables, False, frozenset(self.keys)))
             self.opened.set()
             try:
-                opened.copy(self._stop)
+                opened.copy(self._stop, live_display=False)  # the worker logs meanwhile
             finally:
                 opened.close()
             with connect(target) as conn:

@@ -15,7 +15,7 @@ from ..connections import connect
 from ..errors import ApplierError, Cause, TargetError
 from .schema import LOCK_NAMESPACE
 
-__all__ = ["AlreadyRunning", "WorkerLock"]
+__all__ = ["AlreadyRunning", "WorkerLock", "lock_holder"]
 
 
 class AlreadyRunning(ApplierError):
@@ -40,11 +40,7 @@ class WorkerLock:
         key = self._key()
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_NAMESPACE, key)).fetchone()
         if not got or not got[0]:
-            holder = conn.execute(
-                "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
-                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-                "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
-                (LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
+            holder = lock_holder(conn, self.slot)
             conn.close()
             if holder and holder[0] == self._backend_pid:
                 # This worker's own lock session, whose connection was lost, has not ended yet.
@@ -82,4 +78,19 @@ class WorkerLock:
             self._conn = None
 
     def _key(self) -> int:
-        return zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4
+        return _key(self.slot)
+
+
+def _key(slot: str) -> int:
+    return zlib.crc32(slot.encode()) - 2**31  # advisory keys are signed int4
+
+
+def lock_holder(conn: psycopg.Connection, slot: str) -> tuple[int, str, object] | None:
+    """The target backend holding ``slot``'s worker lock (pid, application name, client
+    address), or None when no worker runs for it on this target."""
+    row = conn.execute(
+        "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
+        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
+        "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
+        (LOCK_NAMESPACE, _key(slot) & 0xFFFFFFFF)).fetchone()
+    return None if row is None else (row[0], row[1], row[2])

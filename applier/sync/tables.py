@@ -1,13 +1,15 @@
 """Copying published tables from one snapshot: what ``applier sync`` does for every table, and what
-the worker does for a table added to a publication while it runs.
+the worker does for a table added to a publication or marked by ``applier resync``.
 
 Owns one copy round: the target tables made ready (created from the source's definitions with
 ``--create-tables``, and each COPY's format chosen), the check that a table about to be emptied
 holds nothing but this slot's own rows (or ``--truncate-target``), the tables marked as copying
 and emptied in one target transaction, the snapshot taken (the slot itself when it is created
 now, else a temporary slot whose consistent point is the copy's sync LSN), the copy in parallel
-sessions, each table marked done with that LSN in the transaction of its last rows. Must never
-stream changes or decide which tables need a copy.
+sessions, each table marked done with that LSN in the transaction of its last rows. A round can
+be opened (tables emptied, snapshot taken) and copied later (``open_round``), so the worker knows
+the sync LSN before it lets the copy run beside its stream. Must never stream changes or decide
+which tables need a copy.
 """
 
 from __future__ import annotations
@@ -32,12 +34,12 @@ from .copy import copy_tables, plan_tasks
 from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
-from .target import TargetCheckError, is_empty, prepare_targets, target_session
+from .target import TargetCheckError, TargetPlan, is_empty, prepare_targets, target_session
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["CopyRound", "copy_round"]
+__all__ = ["CopyRound", "OpenRound", "copy_round", "open_round"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,55 @@ def copy_round(settings: Settings, engine: Engine, round_: CopyRound, stop: thre
     """Copy ``round_.tables`` from one snapshot; returns its consistent point (the tables' sync
     LSN). ``tick`` is called every fraction of a second while the copy runs (the worker keeps
     its replication stream alive with it)."""
+    opened = open_round(settings, engine, round_)
+    try:
+        opened.copy(stop, tick)
+    finally:
+        opened.close()
+    return opened.sync_lsn
+
+
+class OpenRound:
+    """A round whose tables are emptied and whose snapshot is taken (``open_round``): ``copy``
+    fills them from it, ``close`` ends the snapshot. The worker copies a table while it streams
+    this way: the tables are emptied and the sync LSN known before it goes on."""
+
+    def __init__(self, settings: Settings, round_: CopyRound, plans: list[TargetPlan],
+                 snapshot: ExportedSnapshot, block_size: int, encoding: str, relay_in_c: bool) -> None:
+        self.settings = settings
+        self.round = round_
+        self.plans = plans
+        self.snapshot = snapshot
+        self.block_size = block_size
+        self.encoding = encoding
+        self.relay_in_c = relay_in_c
+
+    @property
+    def sync_lsn(self) -> LSN:
+        return self.snapshot.consistent_point
+
+    def copy(self, stop: threading.Event, tick: Callable[[], None] | None = None, *,
+             live_display: bool = True) -> None:
+        """Copy the tables; progress is drawn live on a terminal (``live_display``: nothing else
+        writes to it meanwhile), else logged."""
+        settings, tables = self.settings, self.round.tables
+        source_dsn, target_dsn = settings.required("source"), settings.required("target")
+        tasks = plan_tasks(self.plans, settings.range_size, self.block_size)
+        log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
+                 "(consistent point %s), relaying in %s", len(tables), len(tasks), settings.jobs,
+                 self.snapshot.name, self.sync_lsn, "C" if self.relay_in_c else "Python")
+        with CopyProgress(tables, target_dsn, interactive=live_display and sys.stderr.isatty(),
+                          interval=settings.progress_interval) as progress:
+            copy_tables(source_dsn, target_dsn, self.round.slot, self.snapshot, tasks, settings.jobs,
+                        progress, self.encoding, stop, tick)
+
+    def close(self) -> None:
+        self.snapshot.close()
+
+
+def open_round(settings: Settings, engine: Engine, round_: CopyRound) -> OpenRound:
+    """Make the target tables ready, mark them copying and empty them in one target transaction,
+    then take the snapshot (the slot itself when the round creates it, else a temporary slot)."""
     source_dsn, target_dsn = settings.required("source"), settings.required("target")
     target = target_session(target_dsn, "applier copy")
     encoding = target.info.parameter_status("server_encoding") or "UTF8"
@@ -88,17 +139,11 @@ def copy_round(settings: Settings, engine: Engine, round_: CopyRound, stop: thre
             if round_.create_slot:  # the slot's progress comes from this server from now on
                 with target.transaction():
                     SqlBookkeeping(target).record_source_identity(round_.slot, snapshot.source)
-            tasks = plan_tasks(plans, settings.range_size, block_size)
-            log.info("copying %d table(s) in %d piece(s) with %d job(s) from snapshot %s "
-                     "(consistent point %s), relaying in %s", len(tables), len(tasks), settings.jobs,
-                     snapshot.name, snapshot.consistent_point, "C" if accelerated(control) else "Python")
-            with CopyProgress(tables, target_dsn, interactive=sys.stderr.isatty(),
-                              interval=settings.progress_interval) as progress:
-                copy_tables(source_dsn, target_dsn, round_.slot, snapshot, tasks, settings.jobs,
-                            progress, encoding, stop, tick)
-        finally:
+        except BaseException:
             snapshot.close()
-        return snapshot.consistent_point
+            raise
+        return OpenRound(settings, round_, plans, snapshot, block_size, encoding,
+                         accelerated(control))
     finally:
         control.close()
         target.close()

@@ -36,8 +36,8 @@ COMMANDS: dict[str, str] = {
             "then stream as run does.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
     "status": "Show a slot and its replica: slot state, WAL retained, last applied transaction, "
-              "lag, prepared transactions, spill; exit non-zero when the slot is missing or lag "
-              "exceeds --max-lag.",
+              "lag, prepared transactions, spill, readiness for a failover of the source; exit "
+              "non-zero when the slot is missing, lag exceeds --max-lag or a --standby is not ready.",
     "verify": "Compare source and replica table by table, at one source position while the worker "
               "runs: counts, per-range hashes, then exactly which keys differ; --repair makes "
               "them equal.",
@@ -61,7 +61,8 @@ COMMANDS: dict[str, str] = {
 
 #: What the CHECK exit status means, for the commands that check something.
 _CHECKS: dict[str, str] = {
-    "status": "the slot is missing or the lag exceeds --max-lag",
+    "status": "the slot is missing, the lag exceeds --max-lag, or a --standby could not take over "
+              "the replica",
     "verify": "the tables differ (with --repair: some difference could not be repaired)",
     "demo": "the target differs from the source",
     "cutover": "the target is not (yet) a safe replacement: each failed check says what to do",

@@ -37,12 +37,19 @@ def _parse_list(text: str | Sequence[str]) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
+def _parse_dsns(value: str | Sequence[str]) -> list[str]:
+    """Connection strings: one from the environment or a file's string (a DSN may hold commas:
+    ``host=a,b``), several from repeated flags or a file's list."""
+    return [value] if isinstance(value, str) else [str(item) for item in value]
+
+
 def _parse_lag(value: str | int | LagLimit) -> LagLimit:
     return value if isinstance(value, LagLimit) else parse_lag_limit(str(value))
 
 
 #: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
 _PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                 "dsns": "DSN",
                  "lsn": "LSN", "lag": "SIZE|DURATION", "duration": "DURATION"}
 
 
@@ -59,6 +66,7 @@ class Option:
     help: str                      # says what the default means when ``default`` cannot show it
     kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
                                    # | duration (seconds as a float; 30s, 5min or a bare number)
+                                   # | dsns (connection strings, never split at commas)
     default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
     choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
@@ -119,7 +127,7 @@ class Option:
             "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
             "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
             "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
-            "duration": parse_duration,
+            "duration": parse_duration, "dsns": _parse_dsns,
         }
         try:
             value = converters[self.kind](raw)

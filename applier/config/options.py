@@ -45,8 +45,15 @@ OPTIONS: tuple[Option, ...] = (
            "and peek receive, whose tables verify and cutover compare, whose sequences sequences "
            "sets, whose tables resync may copy again. Required.", kind="list", default=[],
            commands=_REPLICATION + ("verify", "sequences", "cutover", "resync")),
-    Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
-           default=False, commands=("run",)),
+    Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist and the "
+           "target has no records of it (a slot that vanished is never replaced: that would "
+           "skip the changes in between).", kind="bool", default=False, commands=("run",)),
+    Option("failover_slot", "Create the slot as a failover slot (PostgreSQL 17+): a physical "
+           "standby with sync_replication_slots = on keeps a synchronised copy of it, and the "
+           "replica goes on from that copy after the standby's promotion (README: Failover of "
+           "the source). Default: on where the source supports it (17+; on 17 not for a "
+           "two-phase slot); asked for on an older source, an error.", kind="bool",
+           commands=("run", "sync")),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
            "supports (15: 3, 16+: 4).", kind="int", commands=_REPLICATION),
     Option("streaming", "Stream large in-progress transactions: off, on, or parallel (protocol 4, "
@@ -204,6 +211,11 @@ OPTIONS: tuple[Option, ...] = (
            default=parse_lag_limit("60s")),
     Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
            commands=("status", "verify", "cutover")),
+    Option("standby", "A physical standby of the source (libpq connection string or URL); "
+           "repeatable. status shows whether it holds a synchronised copy of the slot and how "
+           "far behind the slot it is, checks its settings for a failover, and exits with status "
+           "3 when it could not take over the replica. Default: none.", kind="dsns", default=[],
+           secret=True, repeatable=True, commands=("status",)),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
            "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
            commands=("status",)),

@@ -38,6 +38,7 @@ class Settings:
     slot: str | None
     publication: list[str]
     create_slot: bool
+    failover_slot: bool | None
     proto_version: int | None
     streaming: Literal["off", "on", "parallel"] | None
     two_phase: bool | None
@@ -82,6 +83,7 @@ class Settings:
     ready_max_lag: LagLimit
     json: bool
     max_lag: LagLimit | None
+    standby: list[str]
     # -- verify and pipeline
     table: list[str]
     keep_target_columns: bool
@@ -131,8 +133,12 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         """The command's settings as they may be logged: DSN passwords masked."""
-        return {name: mask_dsn(value) if value and entry(self.command, name).secret else value
+        return {name: _masked(value) if value and entry(self.command, name).secret else value
                 for name, value in self.values.items()}
+
+
+def _masked(value: str | list[str]) -> str | list[str]:
+    return [mask_dsn(item) for item in value] if isinstance(value, list) else mask_dsn(value)
 
 
 # Neither part may span whitespace or a slash, so a password inside a longer log line is masked

@@ -2,9 +2,11 @@
 
 Owns the read-only queries that describe a slot on the source and the bookkeeping on the target
 (also used by the metrics probe, so both report the same lag), and the status report: a table,
-or JSON with ``--json``. Exit status (``ExitCode``): OK; FAILED when a server could not be read;
-CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never write to either
-database or touch the slot.
+or JSON with ``--json``; the failover part (the slot's failover flag, the source's
+synchronized_standby_slots, each ``--standby``'s settings and copy of the slot) comes from
+``failover``. Exit status (``ExitCode``): OK; FAILED when the source or the target could not be
+read; CHECK when the slot is missing, the lag exceeds ``--max-lag``, or a ``--standby`` could not
+take over the replica. Must never write to any database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
 ``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``,
@@ -37,6 +39,15 @@ from ..protocol.lsn import LSN
 from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
 from ..units import readable_size
+from .failover import (
+    FailoverReport,
+    StandbyFacts,
+    assess,
+    read_primary,
+    read_standby,
+    render_failover,
+    standby_label,
+)
 from .lag import Lag, measure_lag
 
 if TYPE_CHECKING:
@@ -71,10 +82,13 @@ class StatusReport:
     repairs: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
+    failover: FailoverReport | None = None
     notes: list[str] = field(default_factory=list)
 
     def exit_status(self) -> ExitCode:
-        return ExitCode.CHECK if self.slot is None or self.lag_exceeded else ExitCode.OK
+        standbys_unready = self.failover is not None and not self.failover.ready
+        return (ExitCode.CHECK if self.slot is None or self.lag_exceeded or standbys_unready
+                else ExitCode.OK)
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -105,6 +119,16 @@ def collect_status(settings: Settings) -> StatusReport:
     with _reading("source", source_dsn) as source:
         database, wal_lsn = source_wal_position(source)
         slot = slot_info(source, slot_name)
+        primary = read_primary(source)
+    standbys: list[tuple[str, StandbyFacts | str]] = []
+    for standby_dsn in settings.standby:
+        label = standby_label(standby_dsn)
+        try:
+            with _reading(f"standby {label}", standby_dsn) as standby:
+                standbys.append((label, read_standby(standby, slot_name)))
+        except StatusError as exc:
+            standbys.append((label, str(exc)))
+    failover = assess(slot_name, slot, primary, wal_lsn, standbys)
     with _reading("target", target_dsn) as target:
         store = SqlBookkeeping(target)
         tables = store.tables()
@@ -125,7 +149,7 @@ def collect_status(settings: Settings) -> StatusReport:
         change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
                        if "change_tables" in tables else None)
         repairs = [_with_lsns(row) for row in Repairs(target).latest(slot_name)]
-    notes: list[str] = []
+    notes: list[str] = list(failover.warnings)
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
     elif slot.database != database:
@@ -146,7 +170,7 @@ def collect_status(settings: Settings) -> StatusReport:
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
         change_feed=change_feed, repairs=repairs, spill_dir=str(spill_dir),
-        spill_bytes=_directory_bytes(spill_dir), notes=notes)
+        spill_bytes=_directory_bytes(spill_dir), failover=failover, notes=notes)
 
 
 class StatusError(Exception):
@@ -286,6 +310,8 @@ def render_table(report: StatusReport) -> str:
                  ("restart LSN", str(slot.restart_lsn or "none")),
                  ("WAL retained by slot", _size(report.retained_wal_bytes)),
                  ("WAL status", slot.wal_status or "unknown")]
+    if report.failover is not None:
+        rows += render_failover(report.failover)
     rows.append(("source WAL position", str(report.source_wal_lsn)))
     progress = report.progress
     if progress is None:

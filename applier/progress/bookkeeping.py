@@ -18,14 +18,14 @@ from psycopg import sql
 
 from ..protocol.lsn import LSN
 from ..queries import rows
-from .records import AppliedPosition, Progress, TableName
+from .records import AppliedPosition, Progress, SourceIdentity, TableName
 from .store import TableState
 
 __all__ = ["SqlBookkeeping"]
 
 #: Columns naming the kind of an event row in optional bookkeeping tables, most specific first.
 #: The bookkeeping tables whose rows say that a worker or a sync has run for a slot.
-RECORDS_OF_A_SLOT = ("progress", "table_sync", "publication_tables", "conflicts")
+RECORDS_OF_A_SLOT = ("progress", "table_sync", "publication_tables", "conflicts", "source_identity")
 _KIND_COLUMNS = ("conflict_type", "skip_reason", "kind", "type", "reason")
 
 
@@ -81,6 +81,15 @@ class SqlBookkeeping:
             sql.SQL("SELECT FROM {} WHERE slot_name = %(slot)s").format(sql.Identifier("applier", name))
             for name in tables))
         return bool(self._rows(query, {"slot": slot})[0][0])
+
+    def source_identity(self, slot: str) -> SourceIdentity | None:
+        """The source server the slot's progress comes from; None when not recorded (before
+        schema 0009, or before the slot's first session)."""
+        if "source_identity" not in self.tables():
+            return None
+        found = self._rows("SELECT system_identifier, timeline FROM applier.source_identity "
+                           "WHERE slot_name = %(slot)s", {"slot": slot})
+        return SourceIdentity(found[0][0], int(found[0][1])) if found else None
 
     def table_states(self, slot: str) -> dict[TableName, TableState]:
         rows = self._rows("SELECT schema_name, table_name, state, sync_lsn::text "
@@ -169,6 +178,14 @@ class SqlBookkeeping:
             if count:
                 deleted[name] = int(count)
         return deleted
+
+    def record_source_identity(self, slot: str, identity: SourceIdentity) -> None:
+        """From now on the slot's progress comes from this source server."""
+        self._rows("INSERT INTO applier.source_identity (slot_name, system_identifier, timeline) "
+                   "VALUES (%(slot)s, %(system)s, %(timeline)s) ON CONFLICT (slot_name) DO UPDATE "
+                   "SET system_identifier = EXCLUDED.system_identifier, timeline = "
+                   "EXCLUDED.timeline, recorded_at = clock_timestamp()",
+                   {"slot": slot, "system": identity.system_identifier, "timeline": identity.timeline})
 
     def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
         position = self._rows("SELECT commit_lsn::text FROM applier.progress "

@@ -30,6 +30,7 @@ from ..errors import Cause, SourceError, cause_of, cause_of_sqlstate
 from ..libpq import Binding, pointer
 from ..protocol.lsn import LSN, PG_EPOCH
 from ..quoting import ident
+from .lineage import SourceLineage, read_lineage
 from .options import StreamOptions
 
 __all__ = ["ReplicationStream", "SourceError", "XLogData", "classify",
@@ -125,6 +126,8 @@ class ReplicationStream:
         self.status_interval = status_interval
         self._conninfo = replication_conninfo(dsn, client_encoding)
         self._conn: psycopg.Connection | None = None
+        #: The server this connection reached, as it said before streaming (``read_lineage``).
+        self.lineage: SourceLineage | None = None
         self.received_lsn = LSN(0)     # highest position the server has sent us (data or keepalive)
         self.flush_lsn = LSN(0)        # durable on the target: the only position we ever confirm
         self.keepalive_wal_end = LSN(0)
@@ -146,6 +149,7 @@ class ReplicationStream:
         except psycopg.Error as exc:
             raise classify(exc) from exc
         self._take = None
+        self.lineage = None
         return self._conn
 
     @property
@@ -165,6 +169,15 @@ class ReplicationStream:
             raise classify(exc) from exc
         assert row is not None
         return row[0], int(row[1]), LSN.parse(row[2])
+
+    def read_lineage(self) -> SourceLineage:
+        """Which server this connection reached: its identity, timeline history and the slot as
+        it has it (``lineage.read_lineage``); only before ``start``."""
+        try:
+            self.lineage = read_lineage(self.connection, self.slot)
+        except psycopg.Error as exc:
+            raise classify(exc) from exc
+        return self.lineage
 
     def start(self, start_lsn: LSN, *, wait_for_slot: bool = True) -> None:
         """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush).

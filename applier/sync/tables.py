@@ -23,10 +23,12 @@ from typing import TYPE_CHECKING
 
 import psycopg
 
-from ..config import Settings
+from ..config import ConfigError, Settings
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.records import TableName
 from ..protocol.lsn import LSN
+from ..source.options import UnsupportedOption
+from ..source.slots import failover_slot
 from .catalog import PublishedTable
 from .copy import copy_tables, plan_tasks
 from .progress import CopyProgress
@@ -124,10 +126,22 @@ def open_round(settings: Settings, engine: Engine, round_: CopyRound) -> OpenRou
                 target.execute("TRUNCATE " + ", ".join(t.sql_name for t in tables))
         row = control.execute("SELECT pg_catalog.current_setting('block_size')").fetchone()
         block_size = int(row[0]) if row else 8192
+        two_phase = bool(settings.two_phase) and round_.create_slot
+        try:  # sync's preflight checked it already; a worker copying a table creates no slot
+            failover = round_.create_slot and failover_slot(
+                settings.failover_slot, control.info.server_version, two_phase)
+        except UnsupportedOption as exc:
+            raise ConfigError(str(exc)) from None
         snapshot = ExportedSnapshot.create(
             source_dsn, round_.slot if round_.create_slot else temporary_slot_name(round_.slot),
-            temporary=not round_.create_slot,
-            two_phase=bool(settings.two_phase) and round_.create_slot)
+            temporary=not round_.create_slot, two_phase=two_phase, failover=failover)
+        try:
+            if round_.create_slot:  # the slot's progress comes from this server from now on
+                with target.transaction():
+                    SqlBookkeeping(target).record_source_identity(round_.slot, snapshot.source)
+        except BaseException:
+            snapshot.close()
+            raise
         return OpenRound(settings, round_, plans, snapshot, block_size, encoding,
                          accelerated(control))
     finally:

@@ -148,7 +148,9 @@ class Worker:
         settings = self.settings
         problems = check_start(settings.required("source"), settings.required("target"),
                                slot=self.slot, publications=settings.publication,
-                               create_tables=bool(settings.create_tables), copy=False)
+                               create_tables=bool(settings.create_tables), copy=False,
+                               failover_slot=settings.failover_slot,
+                               two_phase=bool(settings.two_phase))
         if problems:
             count = len(problems)
             raise WorkerFailed(f"applier run --create-slot cannot start (nothing was created); "

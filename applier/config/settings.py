@@ -165,11 +165,11 @@ def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path
         value, origin = option.convert(option.default), "default"
         if command in option.commands:
             if name in file_values:
-                value, origin = option.convert(file_values[name]), "file"
+                value, origin = option.convert(file_values[name], f"{name} in {path}"), "file"
             if option.env in environ:
-                value, origin = option.convert(environ[option.env]), "env"
+                value, origin = option.convert(environ[option.env], option.env), "env"
             if cli_values.get(name) is not None:
-                value, origin = option.convert(cli_values[name]), "cli"
+                value, origin = option.convert(cli_values[name], option.flag), "cli"
             sources[name] = origin
         values[name] = value
     settings = Settings(command=command, sources=sources, **values)

@@ -55,9 +55,9 @@ def test_lag_limit_without_unit_is_refused(text: str) -> None:
 
 def test_bad_lag_limit_says_what_is_valid() -> None:
     """Checked when the settings load, so the command stops before it connects anywhere."""
-    with pytest.raises(ConfigError, match=r"max_lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
+    with pytest.raises(ConfigError, match=r"--max-lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
         load_settings("status", {"max_lag": "5 parsecs"}, None, {})
-    with pytest.raises(ConfigError, match=r"ready_max_lag: lag limit '5' has no unit"):
+    with pytest.raises(ConfigError, match=r"APPLIER_READY_MAX_LAG: lag limit '5' has no unit"):
         load_settings("run", {}, None, {"APPLIER_READY_MAX_LAG": "5"})
 
 

@@ -236,6 +236,6 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("every must be a positive duration")
     if settings.rounds is not None and settings.rounds < 1:
         raise ConfigError("rounds must be at least 1")
-    for name in ("settle", "seconds", "max_keys", "margin", "timeout"):
-        if getattr(settings, name) < 0:
+    for name in ("settle", "seconds", "max_keys", "margin", "timeout", "limit"):
+        if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"{name} must not be negative")

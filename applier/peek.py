@@ -14,7 +14,8 @@ Output: one JSON object per line on stdout, in the order the server sent the mes
      "new_tuple": [{"kind": "t", "value": "1"}, {"kind": "n", "value": null}]}
 
 * ``lsn`` -- ``X/XXXXXXXX``: the XLogData start position (replication protocol) or the row's
-  ``lsn`` (SQL interface).
+  ``lsn`` (SQL interface); ``null`` where the walsender sends none (0/0: a ``relation`` or
+  ``type`` message written ahead of the change that needs it).
 * ``type`` -- the message's snake_case name: ``begin``, ``commit``, ``origin``, ``relation``,
   ``type``, ``insert``, ``update``, ``delete``, ``truncate``, ``message``, ``stream_start``,
   ``stream_stop``, ``stream_commit``, ``stream_abort``, ``begin_prepare``, ``prepare``,
@@ -268,7 +269,9 @@ def _in_stream_after(message: ReplicationMessage, in_stream: bool) -> bool:
 
 def message_to_json(lsn: LSN, message: ReplicationMessage) -> dict[str, Any]:
     """One message as the JSON object described in this module's docstring."""
-    obj: dict[str, Any] = {"lsn": str(lsn), "type": message.type_name}
+    # The walsender sends position 0/0 with a message it writes ahead of another (a Relation
+    # before the row change that needs it): no position, rather than a false one.
+    obj: dict[str, Any] = {"lsn": str(lsn) if lsn else None, "type": message.type_name}
     obj.update(_object_fields(message))
     return obj
 

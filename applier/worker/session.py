@@ -179,11 +179,10 @@ class ReplicationSession:
                     log.debug("cleanup step %s failed: %s", getattr(step, "__qualname__", step), exc)
 
     def describe(self, exc: BaseException) -> str:
-        """``exc`` for the operator: where the worker stopped, and how to skip the transaction."""
-        where = f"slot {self.slot!r}"
-        if self.stream is not None:
-            where += f", last received source LSN {self.stream.received_lsn}"
-        text = f"{exc} ({where})"
+        """``exc`` for the operator: the slot, and how to skip the transaction. The last
+        received source LSN is the log line's (``received_lsn``): named here, before the
+        transaction's LSN, it would be taken for the one to skip."""
+        text = f"{exc} (slot {self.slot!r})"
         if isinstance(exc, ApplyError) and exc.commit_lsn is not None:
             text += (f". If this source transaction must not be applied, skip it: applier skip "
                      f"--target <target DSN> --slot {self.slot} --lsn {exc.commit_lsn} (or start "

@@ -710,10 +710,13 @@ def test_peek_does_not_consume(src: Source, capsys: pytest.CaptureFixture[str]) 
     # Nothing was consumed: a second peek sees the very same messages.
     assert _peek(capsys, src, "--slot", "peek", "--messages") == first
     # The SQL interface gives the same messages and fields. Its row LSNs equal the XLogData
-    # start, except where the walsender sends 0/0 (messages written ahead of another one).
+    # start, except where the walsender sends 0/0 (a message written ahead of another one, the
+    # relation), which shows as no position rather than a false one.
     over_sql = _peek(capsys, src, "--slot", "peek", "--messages", "--sql")
     assert _without_lsn(over_sql) == _without_lsn(first)
-    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] != "0/0")
+    assert relation["lsn"] is None and over_sql[1]["lsn"] is not None
+    assert all(line["lsn"] is not None for line in first if line["type"] != "relation")
+    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] is not None)
     assert _peek(capsys, src, "--slot", "peek", "--limit", "2") == first[:2]
     assert src.confirmed_flush("peek") == confirmed
 

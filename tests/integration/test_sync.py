@@ -3,6 +3,7 @@ overlap (PostgreSQL 15 and 18)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -234,6 +235,8 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
             [s for s, _ in sync_states(target_db).values() if s == "done"]) == 7,
                  timeout=120, what="seven tables copied")
         assert sync_states(target_db)["public.t07"][0] == "copying"
+        during = _status(source_db, target_db)
+        assert "public.t07: in the copy under way (begun " in during, during
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -241,6 +244,13 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
             proc.kill()
         gate.close()
     target_db.execute("DROP TRIGGER gate ON t07")
+    # No process runs: status must not say the table is being copied.
+    wait_for(lambda: json.loads(_status(source_db, target_db, "--json"))["running"] is None,
+             what="the killed sync's target sessions to end")
+    after = _status(source_db, target_db)
+    assert "copying" not in after and "in the copy under way" not in after, after
+    assert "public.t07: not copied: the copy that began " in after, after
+    assert "stopped unfinished, and no sync runs; run applier sync to finish it" in after
     first = sync_states(target_db)
     # Rows keep the xmin of the transaction that copied them: a recopy would change it.
     xmin_sql = "SELECT DISTINCT xmin::text FROM {} WHERE id > 10"
@@ -266,6 +276,14 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
     source_db.execute("UPDATE t07 SET v = v || '+2' WHERE id <= 5")
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, *names)
+
+
+def _status(source_db, target_db, *extra: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                           "--target", target_db.dsn, "--slot", "s", *extra], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _table_sync_exists(target_db) -> bool:

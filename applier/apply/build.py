@@ -65,6 +65,9 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                  on_relation: Callable[[Relation], None] | None = None) -> Applier:
     """The applier of the worker's main target session. Raises ValueError for a setting the
     target cannot honour, ``SyncIncomplete`` while an initial copy is unfinished."""
+    # Tables copied by applier sync: their changes from before each copy's LSN are in it. Read
+    # before the origin is created: a start refused for an unfinished copy creates nothing.
+    sync_filter = SyncFilter(PostgresApplyStore(session, options.slot).table_sync_lsns())
     tag, info = tag_with_origin(session, options.slot, options.replication_origin, warn)
     store = PostgresApplyStore(session, options.slot,
                                origin_xact_setup=tag.name is not None and tag.xact_setup)
@@ -78,8 +81,6 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                               skip_origins=options.skip_origins, message_sink=options.message_sink,
                               message_prefixes=options.message_prefixes,
                               conflict_policy=options.conflict_policy)
-    # Tables copied by applier sync: their changes from before each copy's LSN are in it.
-    sync_filter = SyncFilter(store.table_sync_lsns())
     return Applier(tx, RelationCache(reflect, binary_check=options.binary_check, feeds=options.feeds),
                    handlers,
                    limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,

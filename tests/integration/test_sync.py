@@ -262,9 +262,12 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
     source_db.execute("UPDATE t07 SET v = v || '+1' WHERE id <= 50")
     source_db.execute("INSERT INTO t07 VALUES (5000, 'new')")
     source_db.execute("DELETE FROM t07 WHERE id BETWEEN 60 AND 70")
-    # An apply worker must refuse to stream onto a half-copied table.
+    # An apply worker must refuse to stream onto a half-copied table, having created nothing.
+    origins = "SELECT count(*) FROM pg_replication_origin"
+    assert target_db.query(origins) == [(0,)]
     refused = run_worker(source_db, target_db, expect_rc=1)
     assert "initial copy for slot 's' is unfinished" in refused.stderr and "public.t07" in refused.stderr
+    assert target_db.query(origins) == [(0,)], "a refused start left a replication origin"
     proc2 = run_sync(source_db, target_db, "--jobs", "2")
     assert "temporary slot" in proc2.stderr
     second = sync_states(target_db)

@@ -244,6 +244,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("keep_bookkeeping", "Keep the slot's rows in the target's applier tables (progress, "
            "table sync, conflicts, ...) for the record.", kind="bool", default=False,
            commands=("drop",)),
+    Option("keep_change_feed", "Keep the slot's change feed (its change tables in schema "
+           "applier_changes and their rows in applier.change_tables, change_partitions and "
+           "change_commits), for reading its history after the replica is retired. A sync of a "
+           "slot of the same name starts its history again.", kind="bool", default=False,
+           commands=("drop",)),
     Option("yes", "Do not ask for confirmation on a terminal (without a terminal drop never "
            "asks).", kind="bool", default=False, commands=("drop",)),
     # -- demo (applier/demo.py) ---------------------------------------------------------------------

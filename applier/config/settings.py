@@ -100,6 +100,7 @@ class Settings:
     dry_run: bool
     verify: Literal["counts", "full", "off"]
     keep_bookkeeping: bool
+    keep_change_feed: bool
     yes: bool
     # -- demo
     pg_version: int

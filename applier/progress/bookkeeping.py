@@ -147,9 +147,20 @@ class SqlBookkeeping:
             "WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p') "
             "AND a.attname = 'slot_name' AND NOT a.attisdropped ORDER BY 1")]
 
-    def slot_row_counts(self, slot: str) -> dict[str, int]:
-        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema)."""
+    def slots(self) -> list[str]:
+        """Every slot with a row in some bookkeeping table, by name."""
         tables = self.tables_with_slots()
+        if not tables:
+            return []
+        query = sql.SQL(" UNION ").join(
+            sql.SQL("SELECT slot_name FROM {}").format(sql.Identifier("applier", name))
+            for name in tables)
+        return sorted(row[0] for row in self._rows(query))
+
+    def slot_row_counts(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema),
+        but for the tables ``besides``."""
+        tables = [name for name in self.tables_with_slots() if name not in set(besides)]
         if not tables:
             return {}
         query = sql.SQL(" UNION ALL ").join(
@@ -158,10 +169,13 @@ class SqlBookkeeping:
         return {name: int(count) for name, count in self._rows(query, {"slot": slot}) if count}
 
     # -- writes --------------------------------------------------------------------------------------
-    def forget_slot(self, slot: str) -> dict[str, int]:
-        """Delete ``slot``'s rows from every bookkeeping table; the rows deleted, per table."""
+    def forget_slot(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Delete ``slot``'s rows from every bookkeeping table but the tables ``besides``; the
+        rows deleted, per table."""
         deleted = {}
         for name in self.tables_with_slots():
+            if name in set(besides):
+                continue
             count = self._rows(sql.SQL(
                 "WITH gone AS (DELETE FROM {} WHERE slot_name = %(slot)s RETURNING 1) "
                 "SELECT count(*) FROM gone").format(sql.Identifier("applier", name)),

@@ -13,13 +13,17 @@ target fit, along a safe list only:
 * a column gone from the source stays, and loses its NOT NULL when it has no default (new rows
   could not be inserted otherwise); a rename is a drop and an add.
 
-Any other change of a column's type seen in this session stops the worker, naming table, column
-and both types. Each change is made in the target transaction of the first row change that needs
-it (so a crash keeps both or neither), recorded in ``applier.schema_changes`` and logged. Where a
-target transaction must not take the table's ACCESS EXCLUSIVE lock for long (a transaction
-prepared on the target, which would hold it until COMMIT PREPARED while later transactions wait
-for it; a transaction applied as it streams), the change is committed on its own first and the
-source sends the transaction again. Must never decide which transactions are applied.
+Any other change of a column's type stops the worker at the first row change of the relation,
+naming table, column and both types: a change seen in this session, or since the type the
+source had when the worker last aligned the table (``applier.source_columns``, kept per slot in
+the same target transaction, so a change made while the worker was stopped is seen too). A type
+the target had different from the first it saw is the operator's choice, and kept. Each change
+is made in the target transaction of the first row change that needs it (so a crash keeps both
+or neither), recorded in ``applier.schema_changes`` and logged. Where a target transaction must
+not take the table's ACCESS EXCLUSIVE lock for long (a transaction prepared on the target, which
+would hold it until COMMIT PREPARED while later transactions wait for it; a transaction applied
+as it streams), the change is committed on its own first and the source sends the transaction
+again. Must never decide which transactions are applied.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from psycopg import sql
 from ..errors import ApplyError, Cause
 from ..progress.records import SchemaChange
 from ..protocol.messages import Relation, RelationColumn, Type
-from .ddl import after_ddl, before_ddl
+from .ddl import DDL_INLINE, after_ddl, before_ddl
 from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
 from .transaction import TargetTransaction
 
@@ -58,8 +62,14 @@ class TypeCache(dict[int, tuple[str, str]]):
 class _Change:
     kind: str            # add_column | widen | drop_not_null
     column: str
-    statement: sql.Composable
+    statements: tuple[sql.Composable, ...]
     source: RelationColumn | None
+    not_null: bool = False
+    has_default: bool = False
+
+    @property
+    def text(self) -> str:
+        return "; ".join(statement.as_string() for statement in self.statements)
 
 
 class SchemaFollower:
@@ -70,19 +80,28 @@ class SchemaFollower:
     def align(self, relation: Relation, table: TargetTable, previous: Relation | None) -> TargetTable:
         """``table`` made to fit ``relation`` (``previous``: the same relation's description
         before, in this session); the same object when nothing had to change."""
-        changes = self._changes(relation, table, previous)
-        if not changes:
-            return table
+        key = (relation.namespace, relation.name)
+        recorded = self.tx.store.source_types(key)
+        changes = self._changes(relation, table, previous, recorded)
+        seen = {c.name: (c.type_oid, c.type_modifier) for c in relation.columns}
         tx = self.tx
+        if not changes:
+            # Not inside a transaction prepared on the target (or applied as it streams): its
+            # row lock would hold up every later one until it ends. A later one records it.
+            if seen != recorded and tx.schema_changes == DDL_INLINE:
+                tx.store.record_source_types(key, seen)
+            return table
         subject = table.sql_name
         before_ddl(tx, subject)
+        tx.store.record_source_types(key, seen)
         for change in changes:
-            tx.sql(change.statement.as_string())
+            for statement in change.statements:
+                tx.sql(statement.as_string())
             log.info("schema change on %s: %s (the source's %s.%s changed)", table.sql_name,
-                     change.statement.as_string(), relation.namespace, relation.name)
+                     change.text, relation.namespace, relation.name)
             current = tx.current
             tx.store.record_schema_change(SchemaChange(
-                table.schema, table.name, change.kind, change.statement.as_string(),
+                table.schema, table.name, change.kind, change.text,
                 current.commit_lsn if current is not None else None))
             tx.pending["schema_change"] += 1
             table = self._after(table, change)
@@ -90,34 +109,38 @@ class SchemaFollower:
         return table
 
     # -- what must change -----------------------------------------------------------------------
-    def _changes(self, relation: Relation, table: TargetTable, previous: Relation | None) -> list[_Change]:
+    def _changes(self, relation: Relation, table: TargetTable, previous: Relation | None,
+                 recorded: dict[str, tuple[int, int]]) -> list[_Change]:
         name = sql.Identifier(table.schema, table.name)
         changes: list[_Change] = []
-        before = {c.name: c for c in previous.columns} if previous is not None else {}
+        # What the source's types were: earlier in this session, else when last recorded.
+        before = dict(recorded)
+        if previous is not None:
+            before.update((c.name, (c.type_oid, c.type_modifier)) for c in previous.columns)
         for column in relation.columns:
             target = table.columns.get(column.name)
             if target is not None and target.generated:
                 continue  # reported when mapped: a generated column cannot take values
             if target is None:
-                changes.append(_Change("add_column", column.name, sql.SQL(
+                changes.append(_Change("add_column", column.name, (sql.SQL(
                     "ALTER TABLE {} ADD COLUMN {} {}").format(
-                        name, sql.Identifier(column.name), sql.SQL(self._type_sql(relation, column))),
-                    column))
+                        name, sql.Identifier(column.name),
+                        sql.SQL(self._type_sql(relation, column))),), column))
                 continue
             if _holds(target, column):
                 continue
             widened = self._widened(target, column)
             if widened is not None:
-                changes.append(_Change("widen", column.name, sql.SQL(
+                changes.append(_Change("widen", column.name, (sql.SQL(
                     "ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
-                        name, sql.Identifier(column.name), sql.SQL(widened)), column))
+                        name, sql.Identifier(column.name), sql.SQL(widened)),), column,
+                    target.not_null, target.has_default))
                 continue
             # Types that differ off the safe list: a target made so on purpose keeps its type
-            # (values go through its input function, as ever), unless the source's type just
-            # changed in this session.
+            # (values go through its input function, as ever), unless the source's type changed
+            # since the worker saw it.
             earlier = before.get(column.name)
-            if earlier is not None and (earlier.type_oid, earlier.type_modifier) != (
-                    column.type_oid, column.type_modifier):
+            if earlier is not None and earlier != (column.type_oid, column.type_modifier):
                 raise ApplyError(
                     f"the type of column {column.name!r} of {relation.namespace}.{relation.name} "
                     f"changed on the source to {self._source_name(relation, column)}, which the "
@@ -127,9 +150,9 @@ class SchemaFollower:
         present = {c.name for c in relation.columns}
         for target in table.columns.values():
             if target.name not in present and target.not_null and not target.has_default:
-                changes.append(_Change("drop_not_null", target.name, sql.SQL(
+                changes.append(_Change("drop_not_null", target.name, (sql.SQL(
                     "ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
-                        name, sql.Identifier(target.name)), None))
+                        name, sql.Identifier(target.name)),), None))
         return changes
 
     def _after(self, table: TargetTable, change: _Change) -> TargetTable:
@@ -141,10 +164,9 @@ class SchemaFollower:
             source = change.source
             assert source is not None
             type_oid, type_sql, has_equality = self._target_type(table, change.column)
-            old = columns.get(change.column)
             columns[change.column] = TargetColumn(
                 change.column, type_sql, False, has_equality, type_oid, source.type_modifier,
-                old.not_null if old else False, old.has_default if old else False)
+                change.not_null, change.has_default)
         return replace(table, columns=columns)
 
     def _target_type(self, table: TargetTable, column: str) -> tuple[int, str, bool]:

@@ -171,3 +171,35 @@ def test_a_column_added_inside_a_prepared_transaction(source_db, target_db, mode
     run_worker(source_db, target_db, "--two-phase-mode", mode)
     assert_same_rows(source_db, target_db, "t")
     assert [kind for kind, _ in _changes(target_db)] == ["add_column"]
+
+
+@pytest.mark.parametrize("while_running", [True, False])
+def test_a_type_change_that_is_no_widening_stops_at_its_relation(source_db, target_db, tmp_path: Path,
+                                                                 while_running: bool) -> None:
+    """integer -> text on the source: '7' would fit the target's integer column, but the next
+    'abc' would not; the worker stops at the first row of the new type, naming the column and
+    both types, whether the change comes while it runs or while it is stopped."""
+    _table(source_db, target_db, "id int PRIMARY KEY, v int")
+    source_db.execute("INSERT INTO t VALUES (1, 1)")
+    run_worker(source_db, target_db)
+    log = tmp_path / "worker.log"
+    worker = start_worker(source_db, target_db, log_path=log) if while_running else None
+    try:
+        if worker is not None:
+            source_db.execute("INSERT INTO t VALUES (2, 2)")
+            wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(2,)], what="row 2")
+        source_db.execute("ALTER TABLE t ALTER COLUMN v TYPE text")
+        source_db.execute("INSERT INTO t VALUES (3, '7')")
+        if worker is None:
+            failed = run_worker(source_db, target_db, expect_rc=1)
+            text = failed.stderr
+        else:
+            assert worker.wait(timeout=120) == 1
+            text = log.read_text()
+    finally:
+        if worker is not None:
+            stop_worker(worker)
+    assert "the type of column 'v' of public.t changed on the source to text" in text, text
+    assert "target's integer" in text, text
+    assert target_db.query("SELECT max(id) FROM t") == [(2 if while_running else 1,)]
+    assert _changes(target_db) == []

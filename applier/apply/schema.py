@@ -5,9 +5,15 @@ in the stream (name, type OID and modifier, key flag), and a Type message names 
 not built in. Owns comparing a Relation with its target table and the statements that make the
 target fit, along a safe list only:
 
-* a column the target lacks is added (nullable, no default), typed as on the source (a built-in
-  type by OID and modifier; another type by the name its Type message gave, which must exist on
-  the target);
+* a column the target lacks is added, typed as on the source (a built-in type by OID and
+  modifier; another type by the name its Type message gave, which must exist on the target), so
+  that the rows the target already has read what the source's do (``source_catalog``): the
+  source's missing value as its default when the source added it with one (metadata only, as on
+  the source; then the source's current default, and NOT NULL), nothing when it was added
+  without. Where the source's existing rows got values the stream does not carry (a volatile
+  default, an identity or generated column: the source rewrote the table) or the catalog no
+  longer tells (a default without a missing value), the worker stops, saying what to do, unless
+  the target table is empty;
 * a column whose source type now holds values the target's cannot is widened (smallint, integer,
   bigint; real, double precision; a longer varchar or text; a wider numeric; a longer char);
 * a column gone from the source stays, and loses its NOT NULL when it has no default (new rows
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from psycopg import sql
 
@@ -38,9 +45,10 @@ from ..progress.records import SchemaChange
 from ..protocol.messages import Relation, RelationColumn, Type
 from .ddl import DDL_INLINE, after_ddl, before_ddl
 from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
+from .source_catalog import AddedColumn
 from .transaction import TargetTransaction
 
-__all__ = ["SchemaFollower", "TypeCache"]
+__all__ = ["ColumnSource", "SchemaFollower", "TypeCache"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,12 @@ class TypeCache(dict[int, tuple[str, str]]):
         self[msg.type_oid] = (msg.namespace, msg.name)
 
 
+class ColumnSource(Protocol):
+    """Where a column the source added is read from (``source_catalog.SourceCatalog``)."""
+
+    def added_column(self, relation_id: int, name: str) -> AddedColumn | None: ...
+
+
 @dataclass(frozen=True)
 class _Change:
     kind: str            # add_column | widen | drop_not_null
@@ -73,9 +87,13 @@ class _Change:
 
 
 class SchemaFollower:
-    def __init__(self, tx: TargetTransaction, types: TypeCache) -> None:
+    def __init__(self, tx: TargetTransaction, types: TypeCache, source: ColumnSource | None = None
+                 ) -> None:
         self.tx = tx
         self.types = types
+        #: The source's catalog, for the rows a new column's table already has (None: they are
+        #: taken to read NULL, as a column added without a default gives them).
+        self.source = source
 
     def align(self, relation: Relation, table: TargetTable, previous: Relation | None) -> TargetTable:
         """``table`` made to fit ``relation`` (``previous``: the same relation's description
@@ -122,10 +140,7 @@ class SchemaFollower:
             if target is not None and target.generated:
                 continue  # reported when mapped: a generated column cannot take values
             if target is None:
-                changes.append(_Change("add_column", column.name, (sql.SQL(
-                    "ALTER TABLE {} ADD COLUMN {} {}").format(
-                        name, sql.Identifier(column.name),
-                        sql.SQL(self._type_sql(relation, column))),), column))
+                changes.append(self._added(relation, table, column))
                 continue
             if _holds(target, column):
                 continue
@@ -154,6 +169,48 @@ class SchemaFollower:
                     "ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
                         name, sql.Identifier(target.name)),), None))
         return changes
+
+    def _added(self, relation: Relation, table: TargetTable, column: RelationColumn) -> _Change:
+        """The statements that add ``column`` so that the target's rows read in it what the
+        source's read (see the module's docstring)."""
+        name, new = sql.Identifier(table.schema, table.name), sql.Identifier(column.name)
+        type_sql = self._type_sql(relation, column)
+        add = sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(name, new, sql.SQL(type_sql))
+        source = (self.source.added_column(relation.relation_id, column.name)
+                  if self.source is not None else None)
+        if source is None or source.rows_read_null:
+            return _Change("add_column", column.name, (add,), column)
+        if source.has_missing:
+            # Metadata only on the target too: the missing value as the default the column is
+            # added with, then the default the source has now (for rows written from now on).
+            missing = (sql.SQL(" DEFAULT {}::{}").format(sql.Literal(source.missing), sql.SQL(type_sql))
+                       if source.missing is not None else sql.SQL(""))
+            not_null = source.not_null and source.missing is not None
+            return _Change("add_column", column.name, (
+                add + missing + sql.SQL(" NOT NULL" if not_null else ""),
+                self._default(name, new, source.default)), column, not_null,
+                source.default is not None)
+        if self._empty(table):  # no row to read anything: only the default matters
+            default = (sql.SQL(" DEFAULT {}").format(sql.SQL(source.default))
+                       if source.default is not None else sql.SQL(""))
+            return _Change("add_column", column.name, (
+                add + default + sql.SQL(" NOT NULL" if source.not_null else ""),), column,
+                source.not_null, source.default is not None)
+        raise ApplyError(_unknown_rows(relation, table, column.name, type_sql, source),
+                         cause=Cause.NEEDS_OPERATOR)
+
+    @staticmethod
+    def _default(table: sql.Identifier, column: sql.Identifier, default: str | None) -> sql.Composable:
+        if default is None:
+            return sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(table, column)
+        return sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT {}").format(
+            table, column, sql.SQL(default))
+
+    def _empty(self, table: TargetTable) -> bool:
+        """The target table holds no row (in this transaction)."""
+        found = self.tx.sql(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(
+            sql.Identifier(table.schema, table.name)).as_string())
+        return found.ntuples == 0
 
     def _after(self, table: TargetTable, change: _Change) -> TargetTable:
         """``table`` as the target has it after ``change`` (in this transaction)."""
@@ -226,6 +283,31 @@ class SchemaFollower:
                     and chain.index(target.type_oid) < chain.index(source_oid):
                 return self._format_type(source_oid, source_mod)
         return None
+
+
+def _unknown_rows(relation: Relation, table: TargetTable, column: str, type_sql: str,
+                  source: AddedColumn) -> str:
+    """Why the values of the target's existing rows in a new column cannot be known, and what
+    to do."""
+    where = f"column {column!r} of {relation.namespace}.{relation.name}"
+    if source.identity or source.generated or source.volatile_default:
+        how = ("an identity column" if source.identity else "a generated column"
+               if source.generated else f"with the volatile default {source.default}")
+        why = (f"{where} was added on the source as {how}" if source.identity or source.generated
+               else f"{where} was added on the source {how}")
+        why += (", so the source rewrote the table to give each existing row its own value; "
+                "that rewrite is not in the logical replication stream")
+    else:
+        why = (f"{where} has the default {source.default} on the source but no missing value, "
+               "so its existing rows there hold either NULL (the default was set after the "
+               "column was added) or a value the source stored in them when it rewrote the "
+               "table; the source's catalog no longer tells which, and the stream does not "
+               "carry it")
+    default = f" DEFAULT {source.default}" if source.default and not source.identity else ""
+    return (f"{why}. Add the column on the target as on the source, with the values the "
+            f"existing rows have there (ALTER TABLE {table.sql_name} ADD COLUMN "
+            f"{sql.Identifier(column).as_string()} {type_sql}{default}; then UPDATE them as the "
+            "source has them), then start the worker again")
 
 
 def _holds(target: TargetColumn, column: RelationColumn) -> bool:

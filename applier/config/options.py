@@ -112,9 +112,11 @@ OPTIONS: tuple[Option, ...] = (
            "(spilled beyond --memory-budget) and applied at its commit.",
            kind="choice", choices=("early", "commit"), default="early"),
     Option("schema_changes", "What a source table's changed columns do to the target. follow: "
-           "a column the target lacks is added (nullable, no default; a type that is not built "
-           "in must exist on the target by the same name), a column whose source type now holds "
-           "more is widened along a safe list (smallint, integer, bigint; real, double "
+           "a column the target lacks is added (a type that is not built in must exist on the "
+           "target by the same name) with the source's default, which the rows already there "
+           "read as on the source (one the source wrote into its rows by rewriting the table, "
+           "a volatile default, stops the worker, saying what to do), a column whose source "
+           "type now holds more is widened along a safe list (smallint, integer, bigint; real, double "
            "precision; a longer varchar or text; a wider numeric), a column gone from the source "
            "stays and loses its NOT NULL when it has no default; each change in the target "
            "transaction of the first row change that needs it, recorded in "

@@ -24,6 +24,7 @@ from ..apply.build import ApplyOptions, main_applier, second_applier
 from ..apply.dispatch import Applier
 from ..apply.fastpath import BatchLimits
 from ..apply.mapping import Reflector
+from ..apply.source_catalog import SourceCatalog
 from ..apply.streaming import StreamingApply
 from ..apply.target import TargetSession
 from ..assembler import Assembler
@@ -98,6 +99,7 @@ class ReplicationSession:
         early: StreamingApply | None = None
         loop: StreamLoop | None = None
         reflector = Reflector(settings.required("target"))
+        catalog = SourceCatalog(settings.required("source"))
         try:
             slot_two_phase = self._check_source(control)
             # Tables added to a publication (while stopped, or noticed last session) are copied
@@ -117,7 +119,8 @@ class ReplicationSession:
                 loop.committed(end_lsn, target_lsn)
 
             applier = self._applier(target, options, reflector, on_commit,
-                                    lambda msg: publications.relation(msg.namespace, msg.name), feeds)
+                                    lambda msg: publications.relation(msg.namespace, msg.name), feeds,
+                                    catalog)
             applied = applier.tx.applied
             stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
             self.stream = stream
@@ -171,7 +174,7 @@ class ReplicationSession:
             if applier is not None:
                 final = applier
                 steps.append(lambda: log.info("%s", summary(final)))
-            steps += [target.close, control.close, reflector.close]
+            steps += [target.close, control.close, reflector.close, catalog.close]
             for step in steps:
                 try:
                     step()
@@ -220,7 +223,7 @@ class ReplicationSession:
     def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
                  on_commit: Callable[[LSN, LSN | None], None],
                  on_relation: Callable[[Relation], None],
-                 feeds: dict[TableName, ChangeTable]) -> Applier:
+                 feeds: dict[TableName, ChangeTable], catalog: SourceCatalog) -> Applier:
         settings, state = self.settings, self.state
         limits = BatchLimits(settings.batch_rows,
                              min(settings.batch_bytes, settings.memory_budget // 2),
@@ -233,7 +236,7 @@ class ReplicationSession:
             replication_origin=settings.replication_origin, skip_origins=settings.skip_origin,
             message_sink=settings.message_sink, message_prefixes=settings.message_prefix,
             conflict_policy=settings.conflict_policy,
-            follow_schema=settings.schema_changes == "follow",
+            follow_schema=settings.schema_changes == "follow", source=catalog,
             feeds=feeds, feed_interval=settings.change_feed_retention / 7)
         try:
             return main_applier(target, apply_options, reflector, on_commit,

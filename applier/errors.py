@@ -172,7 +172,7 @@ def cause_of(exc: BaseException, *, side: str = "target") -> Cause | None:
     """The cause of any exception the worker may meet; None for one that is not a failure of the
     servers or the stream (a bug: it is reported with its traceback). ``side``: which server a
     foreign exception came from, when the exception cannot say."""
-    from .assembler.errors import ProtocolSequenceError  # the assembler imports nothing of ours
+    from .assembler.errors import ProtocolSequenceError, SpillFailed  # (they import nothing of ours)
     from .config import ConfigError
     from .protocol.errors import DecodeError
 
@@ -192,7 +192,7 @@ def cause_of(exc: BaseException, *, side: str = "target") -> Cause | None:
         return _psycopg_cause(exc, side)
     if isinstance(exc, (DecodeError, ProtocolSequenceError)):
         return Cause.PROTOCOL
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, SpillFailed)):
         return Cause.NEEDS_OPERATOR
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return Cause.LOST_CONNECTION

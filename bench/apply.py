@@ -26,6 +26,10 @@ table here has the same built-in types on both sides), the native subscription f
 (``binary = false``) unless ``--native-binary``. Both reach the source over TCP on 127.0.0.1, or
 both through a Unix-domain socket with ``--unix-socket`` (README, "A source on the same host").
 
+``--catchup`` instead runs the catch-up drain of issue 39's independent harness (``apply_catchup.py``):
+production settings, the same servers and databases run after run, pgbench with ``-M prepared``
+and a keyed history table, each contender a new process (or ENABLE) timed from its start.
+
 ``--change-feed`` adds a drain of ours with ``--change-feed all``, printed as ``+feed`` with its
 time over our plain drain's: what recording every change in the change feed costs. With
 ``--baseline`` too, the baseline's worker drains with it as well (``base+feed``).
@@ -36,6 +40,7 @@ load from /proc), ``apply_drain.py`` (the drains and their tables), ``apply_sust
     .venv/bin/python bench/apply.py [--pg-version 18] [--scale 1.0] [--only oltp,bulk,...] [--repeat 3]
                                     [--native-binary] [--unix-socket] [--change-feed]
     .venv/bin/python bench/apply.py --sustained [--rates 2000,5000,10000] [--duration 60] [--clients 4]
+    .venv/bin/python bench/apply.py --catchup [--catchup-scales 10,50] [--catchup-clients 4,8] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from apply_catchup import run_catchup  # noqa: E402
 from apply_drain import Run, medians, print_table, run_workload  # noqa: E402
 from apply_measure import load_average  # noqa: E402
 from apply_sustained import parse_rates, run_sustained  # noqa: E402
@@ -147,7 +153,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "in DIR (another commit, its C accelerators built in place with "
                              "'python setup.py build_ext --inplace'), run with this interpreter, so "
                              "that a change is measured against the code before it in one run")
+    parser.add_argument("--catchup", action="store_true",
+                        help="instead of the drains: the catch-up after downtime of issue 39 "
+                             "(apply_catchup.py): production settings, the same servers run after "
+                             "run, contenders alternating, each timed from its process start (or "
+                             "ENABLE) until the last row is visible and the slot confirmed the end")
+    parser.add_argument("--catchup-scales", default="10",
+                        help="with --catchup: comma-separated pgbench scales (default 10)")
+    parser.add_argument("--catchup-clients", default="4",
+                        help="with --catchup: comma-separated pgbench client counts (default 4)")
     args = parser.parse_args(argv)
+    if args.catchup:
+        compileall.compile_dir(str(ROOT / "applier"), quiet=1)
+        print(f"catch-up drains on PostgreSQL {args.pg_version} ({os.cpu_count()} cores, commit "
+              f"{_commit()}; load average {load_average()})", flush=True)
+        ok = run_catchup(args.pg_version, [int(s) for s in args.catchup_scales.split(",")],
+                         [int(c) for c in args.catchup_clients.split(",")], max(args.repeat, 1))
+        return 0 if ok else 1
     if args.baseline is not None and not (args.baseline / "applier" / "__main__.py").is_file():
         parser.error(f"--baseline {args.baseline}: no applier checkout there")
     experiments = [_experiment(parser, text) for text in args.experiment]

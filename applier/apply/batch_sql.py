@@ -45,10 +45,12 @@ from .mapping import RelationMapping
 from .statements import (
     NEW,
     OLD,
+    assignments,
     column,
     delete_in_sql,
     delete_sql,
     on_conflict,
+    overriding,
     table,
     update_sql,
     value_rows,
@@ -316,9 +318,10 @@ def _copy_sql(mapping: RelationMapping, binary: bool) -> str:
 
 def _insert_sql(mapping: RelationMapping, present: tuple[int, ...], rows: int) -> str:
     names = [mapping.target_columns[i].name for i in present]
-    return sql.SQL("INSERT INTO {} ({}) VALUES {}{}").format(
+    return sql.SQL("INSERT INTO {} ({}){} VALUES {}{}").format(
         table(mapping), sql.SQL(", ").join(column(mapping, i) for i in present),
-        value_rows(mapping, present, rows), on_conflict(mapping, names)).as_string()
+        overriding(mapping, present), value_rows(mapping, present, rows),
+        on_conflict(mapping, names)).as_string()
 
 
 def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
@@ -327,11 +330,10 @@ def _update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positio
         return update_sql(mapping, assigned, key_positions, by_key)
     columns = assigned + key_positions
     aliases = [sql.SQL(f"v{n}") for n in range(len(columns))]  # our own names: no quotes needed
-    sets = sql.SQL(", ").join(sql.SQL("{} = v.{}").format(column(mapping, i), aliases[n])
-                              for n, i in enumerate(assigned))
-    where = sql.SQL(" AND ").join(
+    sets, conditions = assignments(mapping, assigned, lambda n, i: sql.SQL("v.{}").format(aliases[n]), "t")
+    where = sql.SQL(" AND ").join([*(
         sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[len(assigned) + n])
-        for n, i in enumerate(key_positions))
+        for n, i in enumerate(key_positions)), *conditions])
     return sql.SQL("UPDATE {} AS t SET {} FROM (VALUES {}) AS v({}) WHERE {}").format(
         table(mapping), sets, value_rows(mapping, columns, rows), sql.SQL(", ").join(aliases),
         where).as_string()

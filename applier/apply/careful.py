@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from psycopg import pq
 
-from ..protocol.messages import KIND_UNCHANGED, Delete, Insert, Truncate, Update
+from ..protocol.messages import KIND_UNCHANGED, Delete, Insert, Truncate, TupleData, Update
 from .conflicts import ConflictHandler
 from .feed import Meta, text_meta
 from .mapping import RelationMapping
@@ -25,6 +25,8 @@ from .statements import (
     NEW,
     Statement,
     delete_statement,
+    identity_assigned,
+    identity_sql,
     insert_statement,
     truncate_sql,
     update_statement,
@@ -78,8 +80,8 @@ class CarefulPath:
             # The key exists already (a row written on the target): under policy apply the
             # source's row wins, as an update by that key.
             if self.conflicts.insert_exists(mapping, new, statement.conflict_key):
-                update = self.update_statement(mapping, present, NEW, statement.conflict_key, True)
-                self.tx.execute_row(self._feed(update, mapping, meta, "I"), new, None, mapping, values)
+                self._update_row(mapping, present, NEW, statement.conflict_key, True, new, None,
+                                 meta, "I", values, guarded=False)
 
     def update(self, mapping: RelationMapping, msg: Update, key_source: int,
                key_positions: tuple[int, ...], meta: Meta | None = None,
@@ -89,20 +91,44 @@ class CarefulPath:
         new, old = msg.new_tuple, msg.old_tuple
         assigned = tuple(i for i, k in enumerate(new.kinds) if k != KIND_UNCHANGED)
         by_key = not mapping.full_identity
-        statement = self.update_statement(mapping, assigned, key_source, key_positions, by_key)
-        conflicts = self.conflicts
         values = text_meta(meta) if meta is not None else ()
-        if conflicts.origin_id is None:
-            run = statement
-        else:  # only rows this worker wrote: else update_origin_differs
-            run = conflicts.guard(statement)
-        result = self.tx.execute_row(self._feed(run, mapping, meta, "U"), new, old, mapping, values)
+        # Only rows this worker wrote, when update_origin_differs is detected.
+        result, statement = self._update_row(mapping, assigned, key_source, key_positions, by_key,
+                                             new, old, meta, "U", values,
+                                             guarded=self.conflicts.origin_id is not None)
         if _rowcount(result) == 0:
-            conflicts.update_not_applied(mapping, new, old, key_source, key_positions, by_key,
-                                         self._feed(statement, mapping, meta, "U"), values)
+            self.conflicts.update_not_applied(mapping, new, old, key_source, key_positions, by_key,
+                                              self._feed(statement, mapping, meta, "U"), values)
         elif moved is not None and moved_meta is not None and self.tx.feed is not None:
             assert old is not None
             self.tx.feed.moved(mapping, old, moved, moved_meta)
+
+    def _update_row(self, mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
+                    key_positions: tuple[int, ...], by_key: bool, new: TupleData,
+                    old: TupleData | None, meta: Meta | None, op: str,
+                    values: Sequence[bytes | None], guarded: bool,
+                    ) -> tuple[pq.abc.PGresult, Statement]:
+        """Run the update of ``assigned`` (``guarded``: only of a row this worker wrote); its
+        result and its statement without the guard."""
+        statement = self.update_statement(mapping, assigned, key_source, key_positions, by_key)
+        run = self.conflicts.guard(statement) if guarded else statement
+        result = self.tx.execute_row(self._feed(run, mapping, meta, op), new, old, mapping, values)
+        identity = identity_assigned(mapping, assigned)
+        if _rowcount(result) == 0 and identity:
+            # The row may be there with another value in a GENERATED ALWAYS identity column,
+            # which no UPDATE may set (statements.assignments): set it with the column made BY
+            # DEFAULT for that statement, in this transaction only, as PostgreSQL's subscriber
+            # writes the source's value whatever the column's kind.
+            setting = self.update_statement(mapping, assigned, key_source, key_positions, by_key,
+                                            set_identity=True)
+            run = self.conflicts.guard(setting) if guarded else setting
+            for text in identity_sql(mapping, identity, always=False):
+                self.tx.sql(text)
+            result = self.tx.execute_row(self._feed(run, mapping, meta, op), new, old, mapping,
+                                         values)
+            for text in identity_sql(mapping, identity, always=True):
+                self.tx.sql(text)
+        return result, statement
 
     def delete(self, mapping: RelationMapping, msg: Delete, meta: Meta | None = None) -> None:
         old = msg.old_tuple
@@ -128,12 +154,14 @@ class CarefulPath:
             self.tx.sql(marker)
 
     def update_statement(self, mapping: RelationMapping, assigned: tuple[int, ...],
-                         key_source: int, key_positions: tuple[int, ...], by_key: bool) -> Statement:
-        key = ("U", mapping.relation.relation_id, assigned, key_source, key_positions, by_key)
+                         key_source: int, key_positions: tuple[int, ...], by_key: bool,
+                         set_identity: bool = False) -> Statement:
+        key = ("U", mapping.relation.relation_id, assigned, key_source, key_positions, by_key,
+               set_identity)
         statement = self._statements.get(key)
         if statement is None:
             statement = self._statements[key] = update_statement(mapping, assigned, key_source,
-                                                                 key_positions, by_key)
+                                                                 key_positions, by_key, set_identity)
         return statement
 
 

@@ -43,7 +43,7 @@ from .batch_ops import (
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
 from .feed import binary_meta, text_meta
 from .mapping import RelationMapping
-from .statements import OLD, column, delete_in_sql, delete_sql, placeholder, table, update_sql
+from .statements import OLD, assignments, column, delete_in_sql, delete_sql, placeholder, table, update_sql
 
 __all__ = ["META_PARAMS", "feed_rows", "run_rows", "run_deletes", "rows_sql", "update_rows_sql",
            "delete_rows_sql", "single_sql", "recorded", "moved"]
@@ -182,11 +182,10 @@ def update_rows_sql(mapping: RelationMapping, assigned: tuple[int, ...],
     positions = assigned + key_positions
     aliases = [sql.SQL(f"v{n}") for n in range(len(positions))]
     metas = [sql.SQL(f"m{n}") for n in range(META_PARAMS)]
-    sets = sql.SQL(", ").join(sql.SQL("{} = v.{}").format(column(mapping, i), aliases[n])
-                              for n, i in enumerate(assigned))
-    where = sql.SQL(" AND ").join(
+    sets, conditions = assignments(mapping, assigned, lambda n, i: sql.SQL("v.{}").format(aliases[n]), "t")
+    where = sql.SQL(" AND ").join([*(
         sql.SQL("t.{} = v.{}").format(column(mapping, i), aliases[len(assigned) + n])
-        for n, i in enumerate(key_positions))
+        for n, i in enumerate(key_positions)), *conditions])
     if guard:
         where = sql.SQL("{} AND {}").format(where, sql.SQL(guard))
     columns = [c.name for c in mapping.target_columns]

@@ -55,6 +55,9 @@ class TargetColumn:
     type_modifier: int = -1  # atttypmod: varchar's length, numeric's precision and scale
     not_null: bool = False
     has_default: bool = False
+    #: GENERATED ALWAYS AS IDENTITY: an INSERT writes it only with OVERRIDING SYSTEM VALUE, and
+    #: an UPDATE may not set it at all (``statements``).
+    identity_always: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +96,7 @@ _COLUMNS_SQL = """
     SELECT a.attname, pg_catalog.format_type(a.atttypid, a.atttypmod), a.attgenerated <> '',
            EXISTS (SELECT 1 FROM pg_catalog.pg_operator o WHERE o.oprname = '='
                    AND o.oprleft = a.atttypid AND o.oprright = a.atttypid),
-           a.atttypid::int8, a.atttypmod, a.attnotnull, a.atthasdef
+           a.atttypid::int8, a.atttypmod, a.attnotnull, a.atthasdef, a.attidentity = 'a'
     FROM pg_catalog.pg_attribute a
     WHERE a.attrelid = %(oid)s AND a.attnum > 0 AND NOT a.attisdropped
     ORDER BY a.attnum
@@ -123,7 +126,7 @@ def reflect_table(conn: Any, schema: str, name: str) -> TargetTable:
             "(same schema-qualified name) and restart")
     oid, partitioned, independent = found[0]
     columns = {row[0]: TargetColumn(row[0], row[1], bool(row[2]), bool(row[3]), int(row[4]),
-                                    int(row[5]), bool(row[6]), bool(row[7]))
+                                    int(row[5]), bool(row[6]), bool(row[7]), bool(row[8]))
                for row in rows(conn, _COLUMNS_SQL, {"oid": oid})}
     keys = rows(conn, _KEY_SQL, {"oid": oid})
     return TargetTable(schema, name, columns, tuple(keys[0][0] or ()) if keys else (),

@@ -221,9 +221,10 @@ class SchemaFollower:
             source = change.source
             assert source is not None
             type_oid, type_sql, has_equality = self._target_type(table, change.column)
+            old = columns.get(change.column)
             columns[change.column] = TargetColumn(
                 change.column, type_sql, False, has_equality, type_oid, source.type_modifier,
-                change.not_null, change.has_default)
+                change.not_null, change.has_default, old.identity_always if old else False)
         return replace(table, columns=columns)
 
     def _target_type(self, table: TargetTable, column: str) -> tuple[int, str, bool]:

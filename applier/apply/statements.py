@@ -9,6 +9,7 @@ never run anything.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 
@@ -18,7 +19,7 @@ from .mapping import RelationMapping
 
 __all__ = ["Statement", "NEW", "OLD", "insert_statement", "update_statement", "delete_statement",
            "update_sql", "delete_sql", "delete_in_sql", "truncate_sql", "placeholder", "value_rows",
-           "row_filter", "column"]
+           "row_filter", "column", "overriding", "assignments", "identity_assigned", "identity_sql"]
 
 NEW, OLD = 0, 1
 
@@ -86,12 +87,55 @@ def on_conflict(mapping: RelationMapping, names: list[str]) -> sql.Composable:
     return sql.SQL("")
 
 
+def overriding(mapping: RelationMapping, present: tuple[int, ...]) -> sql.Composable:
+    """`` OVERRIDING SYSTEM VALUE`` when a column inserted is GENERATED ALWAYS AS IDENTITY on the
+    target: the source's value is written, as PostgreSQL's subscriber and COPY write it (without
+    the clause the INSERT fails)."""
+    if any(mapping.target_columns[i].identity_always for i in present):
+        return sql.SQL(" OVERRIDING SYSTEM VALUE")
+    return sql.SQL("")
+
+
+def identity_assigned(mapping: RelationMapping, assigned: tuple[int, ...]) -> tuple[int, ...]:
+    """The positions among ``assigned`` of GENERATED ALWAYS AS IDENTITY target columns."""
+    return tuple(i for i in assigned if mapping.target_columns[i].identity_always)
+
+
+def assignments(mapping: RelationMapping, assigned: tuple[int, ...],
+                value: Callable[[int, int], sql.Composable], target: str | None = None,
+                set_identity: bool = False) -> tuple[sql.Composable, list[sql.Composable]]:
+    """An UPDATE's SET list for the columns ``assigned`` (``value(n, position)``: the value of
+    the n-th of them) and the conditions it adds to its WHERE clause.
+
+    No UPDATE may set a GENERATED ALWAYS AS IDENTITY column (PostgreSQL admits no OVERRIDING
+    clause there), so such a column is left out of the SET list and becomes a condition: the
+    row changes only if it holds the source's value already, as it does whenever the source did
+    not change that value (the usual case: it is the key). An update that did change it changes
+    no row, so its count differs, and the careful path applies it with the column's identity
+    made BY DEFAULT for the moment (``CarefulPath.update``, ``set_identity``: set it too).
+    ``target``: the updated table's alias in the statement, if any."""
+    sets: list[sql.Composable] = []
+    conditions: list[sql.Composable] = []
+    for n, i in enumerate(assigned):
+        name = column(mapping, i)
+        if mapping.target_columns[i].identity_always and not set_identity:
+            qualified = sql.SQL("{}.{}").format(sql.Identifier(target), name) if target else name
+            conditions.append(sql.SQL("{} IS NOT DISTINCT FROM {}").format(qualified, value(n, i)))
+        else:
+            sets.append(sql.SQL("{} = {}").format(name, value(n, i)))
+    if not sets:  # every column assigned is an identity ALWAYS one: the careful path's to apply
+        sets.append(sql.SQL("{} = DEFAULT").format(column(mapping, assigned[0])))
+        conditions.append(sql.SQL("false"))
+    return sql.SQL(", ").join(sets), conditions
+
+
 def insert_statement(mapping: RelationMapping, present: tuple[int, ...]) -> Statement:
     """INSERT of the columns present. With a unique key on the target it does nothing on a
     conflict, so the caller can count the conflict and resolve it (update by key, by default)."""
     names = [mapping.target_columns[i].name for i in present]
-    text = sql.SQL("INSERT INTO {} ({}) VALUES ({}){}").format(
+    text = sql.SQL("INSERT INTO {} ({}){} VALUES ({}){}").format(
         table(mapping), sql.SQL(", ").join(column(mapping, i) for i in present),
+        overriding(mapping, present),
         sql.SQL(", ").join(placeholder(mapping, i, n) for n, i in enumerate(present, 1)),
         on_conflict(mapping, names)).as_string()
     params = [(NEW, i) for i in present]
@@ -129,19 +173,29 @@ def row_filter(mapping: RelationMapping, source: int, positions: tuple[int, ...]
 
 
 def update_sql(mapping: RelationMapping, assigned: tuple[int, ...], key_positions: tuple[int, ...],
-               by_key: bool) -> str:
+               by_key: bool, set_identity: bool = False) -> str:
     """UPDATE setting the columns sent (unchanged TOAST columns are left out, so kept); the
-    parameters are the assigned values, then the key (or old row) values."""
-    sets = sql.SQL(", ").join(sql.SQL("{} = {}").format(column(mapping, i), placeholder(mapping, i, n))
-                              for n, i in enumerate(assigned, 1))
+    parameters are the assigned values, then the key (or old row) values (``assignments`` for
+    identity ALWAYS columns and ``set_identity``)."""
+    sets, conditions = assignments(mapping, assigned, lambda n, i: placeholder(mapping, i, n + 1),
+                                   set_identity=set_identity)
     where, _ = row_filter(mapping, NEW, key_positions, len(assigned) + 1, by_key)
-    return sql.SQL("UPDATE {} SET {} WHERE {}").format(table(mapping), sets, where).as_string()
+    return sql.SQL("UPDATE {} SET {} WHERE {}").format(
+        table(mapping), sets, sql.SQL(" AND ").join([where, *conditions])).as_string()
 
 
 def update_statement(mapping: RelationMapping, assigned: tuple[int, ...], key_source: int,
-                     key_positions: tuple[int, ...], by_key: bool) -> Statement:
-    return named(update_sql(mapping, assigned, key_positions, by_key),
+                     key_positions: tuple[int, ...], by_key: bool, set_identity: bool = False) -> Statement:
+    return named(update_sql(mapping, assigned, key_positions, by_key, set_identity),
                  [(NEW, i) for i in assigned] + [(key_source, i) for i in key_positions])
+
+
+def identity_sql(mapping: RelationMapping, positions: tuple[int, ...], always: bool) -> list[str]:
+    """``ALTER TABLE ... ALTER COLUMN ... SET GENERATED BY DEFAULT`` (or back ``ALWAYS``) for the
+    identity columns at ``positions``: for the moment an update sets them (``assignments``)."""
+    kind = sql.SQL("ALWAYS" if always else "BY DEFAULT")
+    return [sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET GENERATED {}").format(
+        table(mapping), column(mapping, i), kind).as_string() for i in positions]
 
 
 def delete_sql(mapping: RelationMapping, key_positions: tuple[int, ...], by_key: bool) -> str:

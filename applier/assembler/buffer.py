@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import struct
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Final
 
 from psycopg import pq
+
+from .errors import SpillFailed
 
 __all__ = ["StreamBuffer", "ENTRY_OVERHEAD", "SPILL_GLOB", "default_spill_dir", "spill_path",
            "record_cost"]
@@ -119,12 +122,16 @@ class StreamBuffer:
         """Append the in-memory records to the spill file; return the memory freed."""
         if not self._memory:
             return 0
-        # A temp directory cleaner may have removed the directory while it stood empty.
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as file:
-            for raw in self._memory:
-                file.write(_LENGTH.pack(len(raw)))
-                file.write(raw)
+        try:
+            # A temp directory cleaner may have removed the directory while it stood empty.
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as file:
+                for raw in self._memory:
+                    file.write(_LENGTH.pack(len(raw)))
+                    file.write(raw)
+        except OSError as exc:
+            needed = sum(_LENGTH.size + len(raw) for raw in self._memory)
+            raise self._failed("write", exc, needed) from exc
         freed = self.memory_bytes
         self._file_count += len(self._memory)
         self.file_bytes = self._end_offset
@@ -159,7 +166,10 @@ class StreamBuffer:
             # The cut falls inside the spilled prefix: everything in memory comes later still.
             freed = self.memory_bytes
             self._memory.clear()
-            os.truncate(self.path, start.offset)
+            try:
+                os.truncate(self.path, start.offset)
+            except OSError as exc:
+                raise self._failed("cut", exc) from exc
             self._file_count = start.index
             self.file_bytes = start.offset
         self.memory_bytes -= freed
@@ -169,16 +179,34 @@ class StreamBuffer:
     def replay(self) -> Iterator[bytes]:
         """Yield every buffered change in order, reading the spill file one record at a time."""
         if self._file_count:
-            with open(self.path, "rb", buffering=_READ_BUFFER) as file:
+            try:
+                file = open(self.path, "rb", buffering=_READ_BUFFER)
+            except OSError as exc:
+                raise self._failed("read", exc) from exc
+            with file:
                 for number in range(self._file_count):
-                    header = file.read(_LENGTH.size)
-                    length = _LENGTH.unpack(header)[0] if len(header) == _LENGTH.size else -1
-                    raw = file.read(length) if length >= 0 else b""
+                    try:
+                        header = file.read(_LENGTH.size)
+                        length = _LENGTH.unpack(header)[0] if len(header) == _LENGTH.size else -1
+                        raw = file.read(length) if length >= 0 else b""
+                    except OSError as exc:
+                        raise self._failed("read", exc) from exc
                     if length < 0 or len(raw) != length:
-                        raise OSError(f"spill file {self.path} ends inside record {number + 1} "
-                                      f"of {self._file_count}: it was changed behind our back")
+                        raise SpillFailed(str(self.path.parent), self.xid, "read",
+                                          f"{self.path.name} ends inside record {number + 1} of "
+                                          f"{self._file_count}: it was changed behind our back")
                     yield raw
         yield from self._memory
+
+    def _failed(self, action: str, exc: OSError, needed: int | None = None) -> SpillFailed:
+        directory = self.path.parent
+        free = None
+        if needed is not None:
+            try:
+                free = shutil.disk_usage(directory).free
+            except OSError:
+                pass
+        return SpillFailed(str(directory), self.xid, action, exc.strerror or str(exc), needed, free)
 
     def remove(self) -> None:
         """Forget every change and delete the spill file."""

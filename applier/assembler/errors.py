@@ -1,8 +1,8 @@
-"""The one error type the assembler raises for an impossible message sequence."""
+"""The errors the assembler raises: an impossible message sequence, and a spill that failed."""
 
 from __future__ import annotations
 
-__all__ = ["ProtocolSequenceError", "missing_xid"]
+__all__ = ["ProtocolSequenceError", "SpillFailed", "missing_xid"]
 
 
 class ProtocolSequenceError(Exception):
@@ -20,3 +20,21 @@ def missing_xid(xid: int, subxid: int | None, what: str) -> ProtocolSequenceErro
     return ProtocolSequenceError(
         f"{what} inside the stream block of xid {xid} has no valid transaction id "
         f"({subxid!r}); messages in a stream block must be decoded with in_stream=True")
+
+
+class SpillFailed(Exception):
+    """A streamed transaction's spill file could not be written or read back (a full disk, a
+    file size limit, a file changed by someone else): the operator's problem, not a bug. Nothing
+    is lost: the transaction was neither applied nor confirmed, so the source sends it again."""
+
+    def __init__(self, directory: str, xid: int, action: str, reason: str, needed: int | None = None,
+                 free: int | None = None) -> None:
+        space = ""
+        if needed is not None:
+            space = f" ({needed} bytes to write" + (f", {free} bytes free there)" if free is not None else ")")
+        super().__init__(
+            f"cannot {action} the spill file of streamed transaction {xid} in {directory}: "
+            f"{reason}{space}. Free space there, or give --spill-dir a directory on a larger disk "
+            "(or a larger --memory-budget), then start the worker again: the source sends the "
+            "transaction again, nothing is lost")
+        self.directory = directory

@@ -71,6 +71,8 @@ class Telemetry:
         self._probe: Probe | None = None
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        #: Set to probe at once (a session attached) or to end the probe loop.
+        self._probe_now = threading.Event()
         self._server: ThreadingHTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._connections: list[psycopg.Connection[Any] | None] = [None, None]  # the probe's: source, target
@@ -113,6 +115,7 @@ class Telemetry:
     def close(self) -> None:
         """Stop serving. The log context stays: the worker's last error line still needs it."""
         self._stopping.set()
+        self._probe_now.set()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -125,6 +128,8 @@ class Telemetry:
         with self._lock:
             self._stream, self._assembler, self._applier = stream, assembler, applier
             self._sessions += 1
+        # A session's start may have just made the slot: the lag is known from now on.
+        self._probe_now.set()
 
     def detach(self) -> None:
         """The session ended: fold its counters into the totals, keep its last LSN and xid."""
@@ -194,7 +199,11 @@ class Telemetry:
 
     # -- probe thread ---------------------------------------------------------------------------
     def _probe_loop(self) -> None:
-        while not self._stopping.wait(self.probe_interval):
+        while True:
+            self._probe_now.wait(self.probe_interval)
+            self._probe_now.clear()
+            if self._stopping.is_set():
+                break
             self._probe_step()
         for conn in self._connections:
             if conn is not None:
@@ -235,8 +244,12 @@ class Telemetry:
         stream = self._stream
         confirmed = max(stream.flush_lsn if stream else LSN(0),
                         slot.confirmed_flush_lsn if slot and slot.confirmed_flush_lsn else LSN(0))
-        lag = measure_lag(source_lsn, done_position(progress, LSN(confirmed)),
-                          progress.commit_time if progress else None, datetime.now(UTC))
+        lag: Lag | None = None
+        if confirmed or progress is not None:
+            lag = measure_lag(source_lsn, done_position(progress, LSN(confirmed)),
+                              progress.commit_time if progress else None, datetime.now(UTC))
+        # else no slot yet (--create-slot makes it at the session's start): the WAL before it is
+        # not the replica's to apply, so the lag is not known rather than all of it.
         return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
 
 

@@ -215,6 +215,36 @@ class SqlBookkeeping:
                        "changed_at = clock_timestamp()",
                        {"slot": slot, "schema": schema, "name": name, "state": state})
 
+    def publication_relids(self, slot: str) -> dict[TableName, int]:
+        """The source OID of each followed table whose OID is known (schema 0008)."""
+        if "publication_tables" not in self.tables():
+            return {}
+        rows = self._rows("SELECT schema_name, table_name, relid::int8 FROM applier.publication_tables "
+                          "WHERE slot_name = %(slot)s AND relid IS NOT NULL", {"slot": slot})
+        return {(r[0], r[1]): int(r[2]) for r in rows}
+
+    def set_publication_relids(self, slot: str, relids: Mapping[TableName, int]) -> None:
+        for (schema, name), relid in relids.items():
+            self._rows("UPDATE applier.publication_tables SET relid = %(relid)s::int8::oid "
+                       "WHERE slot_name = %(slot)s AND schema_name = %(schema)s AND table_name = %(name)s",
+                       {"slot": slot, "schema": schema, "name": name, "relid": relid})
+
+    def rename_table(self, slot: str, old: TableName, new: TableName) -> None:
+        """The source renamed (or moved to another schema) a followed table: every record of the
+        slot about it follows the new name (the table it follows, its copy, its change table)."""
+        names = {"slot": slot, "old_schema": old[0], "old_name": old[1], "schema": new[0],
+                 "name": new[1]}
+        tables = self.tables()
+        for table, schema_column, name_column in (("publication_tables", "schema_name", "table_name"),
+                                                  ("table_sync", "schema_name", "table_name"),
+                                                  ("change_tables", "table_schema", "table_name")):
+            if table in tables:
+                self._rows(sql.SQL("UPDATE {} SET {} = %(schema)s, {} = %(name)s WHERE slot_name = "
+                                   "%(slot)s AND {} = %(old_schema)s AND {} = %(old_name)s").format(
+                    sql.Identifier("applier", table), sql.Identifier(schema_column),
+                    sql.Identifier(name_column), sql.Identifier(schema_column),
+                    sql.Identifier(name_column)), names)
+
     def start_copies(self, slot: str, tables: Iterable[TableName], forget_position: bool) -> None:
         """Mark ``tables`` as copying (in the caller's transaction, with their truncation).
 

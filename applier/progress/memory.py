@@ -15,7 +15,7 @@ import copy
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from ..protocol.lsn import LSN
 from .records import (
@@ -50,9 +50,17 @@ class _State:
     table_sync: dict[tuple[str, TableName], TableState] = field(default_factory=dict)
     publication_tables: dict[tuple[str, TableName], str] = field(default_factory=dict)
     source_types: dict[tuple[str, TableName], dict[str, tuple[int, int]]] = field(default_factory=dict)
+    publication_relids: dict[tuple[str, TableName], int] = field(default_factory=dict)
 
 
 _Op = Callable[[_State], Any]
+_V = TypeVar("_V")
+
+
+def _rename(records: dict[tuple[str, TableName], _V], slot: str, old: TableName,
+            new: TableName) -> None:
+    if (slot, old) in records:
+        records[(slot, new)] = records.pop((slot, old))
 
 
 class MemoryStore:
@@ -245,6 +253,20 @@ class MemoryStore:
     def set_publication_tables(self, slot: str, tables: Iterable[TableName], state: str) -> None:
         for table in tables:
             self._committed.publication_tables[(slot, table)] = state
+
+    def publication_relids(self, slot: str) -> dict[TableName, int]:
+        return {name: relid for (owner, name), relid in self._committed.publication_relids.items()
+                if owner == slot}
+
+    def set_publication_relids(self, slot: str, relids: Mapping[TableName, int]) -> None:
+        for table, relid in relids.items():
+            if (slot, table) in self._committed.publication_tables:
+                self._committed.publication_relids[(slot, table)] = relid
+
+    def rename_table(self, slot: str, old: TableName, new: TableName) -> None:
+        _rename(self._committed.publication_tables, slot, old, new)
+        _rename(self._committed.publication_relids, slot, old, new)
+        _rename(self._committed.table_sync, slot, old, new)
 
     def count_by_kind(self, table: str, slot: str) -> dict[str, int]:
         if table == "conflicts":

@@ -185,6 +185,14 @@ class Bookkeeping(Protocol):
 
     def set_publication_tables(self, slot: str, tables: Iterable[TableName], state: str) -> None: ...
 
+    def publication_relids(self, slot: str) -> dict[TableName, int]:
+        """The source OID of each followed table whose OID is known."""
+
+    def set_publication_relids(self, slot: str, relids: Mapping[TableName, int]) -> None: ...
+
+    def rename_table(self, slot: str, old: TableName, new: TableName) -> None:
+        """Every record of the slot about table ``old`` follows its new name ``new``."""
+
 
 def sync_lsns(slot: str, states: dict[TableName, tuple[str, str | None]]) -> dict[TableName, LSN]:
     """The sync LSN of each copied table; ``SyncIncomplete`` when a copy is unfinished: the target

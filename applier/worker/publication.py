@@ -11,7 +11,15 @@ which waits for every transaction running on the source's server to end). The co
 sync``'s (``sync.tables.copy_round``) from a temporary slot's snapshot whose consistent point is
 the table's sync LSN: the apply stage skips that table's changes of transactions committed
 before it (they are in the copy) and applies the later ones, so there is no gap and no overlap.
-The pause is bounded by that copy, and logged. Must never apply a row change itself.
+The pause is bounded by that copy, and logged.
+
+A table is the source relation, not its name: ``ALTER TABLE ... RENAME`` and ``SET SCHEMA`` keep
+its OID, which Relation messages carry and the bookkeeping records, so a table renamed on the
+source is followed under its new name, never copied again as one added. The rename is taken
+when the stream reaches it (a Relation message under the new name that the source's catalog
+also shows now; earlier messages carry the old name), and the session starts again so that
+everything keyed by the name (the change feed, the copy's filter) takes the new one. Must never
+apply a row change itself.
 """
 
 from __future__ import annotations
@@ -60,6 +68,8 @@ class PublicationFollower:
         #: The tables this session follows.
         self.published: set[TableName] = set()
         self._known: dict[TableName, str] = {}
+        #: Source OID -> the name this worker follows that table under.
+        self._followed: dict[int, TableName] = {}
         self._checked = time.monotonic()
 
     def start(self) -> dict[TableName, LSN]:
@@ -69,8 +79,9 @@ class PublicationFollower:
         tables = self._published()
         if tables is None:  # the catalog is busy: follow what was known, look again later
             with connect(self.target) as conn:
-                known = SqlBookkeeping(conn).publication_tables(self.slot)
-            self._known = known
+                store = SqlBookkeeping(conn)
+                known, relids = store.publication_tables(self.slot), store.publication_relids(self.slot)
+            self._learn(known, relids)
             self.published = {k for k, state in known.items() if state != "removed"}
             return {}
         with connect(self.target) as conn:
@@ -80,10 +91,22 @@ class PublicationFollower:
                 first = {t.key for t in tables} | set(store.table_states(self.slot))
                 store.set_publication_tables(self.slot, sorted(first), "published")
                 known = dict.fromkeys(first, "published")
-        self._known = known
+            relids = store.publication_relids(self.slot)
+            # Tables followed before their OIDs were recorded (schema 0008) take them by name.
+            named = {t.key: t.oid for t in tables if t.key in known and t.key not in relids
+                     and t.oid not in relids.values()}
+            if named:
+                store.set_publication_relids(self.slot, named)
+                relids.update(named)
+        self._learn(known, relids)
         copied = self._follow(tables)
         self._checked = time.monotonic()
         return copied
+
+    def _learn(self, known: dict[TableName, str], relids: dict[TableName, int]) -> None:
+        self._known = known
+        self._followed = {relid: name for name, relid in relids.items()
+                          if known.get(name) not in (None, "removed")}
 
     def check(self) -> None:
         """Every CHECK_SECONDS: raise ``PublicationChanged`` when a table was added (it is copied
@@ -95,15 +118,35 @@ class PublicationFollower:
         if tables is not None:
             self._notice(tables)
 
-    def relation(self, schema: str, name: str) -> None:
-        """A Relation message names ``schema.name``: ``PublicationChanged`` when the session does
-        not follow it and a publication publishes it now."""
-        if (schema, name) in self.published:
+    def relation(self, schema: str, name: str, relid: int) -> None:
+        """A Relation message names ``schema.name`` (source OID ``relid``): ``PublicationChanged``
+        when the session does not follow it and a publication publishes it now, or when it is
+        a followed table the source renamed."""
+        followed = self._followed.get(relid)
+        if followed == (schema, name) or (followed is None and (schema, name) in self.published):
             return
         tables = self._published()
+        if tables is None:
+            return
+        if followed is not None:
+            # A followed table under another name: renamed, if the source calls it so now (an
+            # older message of a transaction before the rename still carries the old name).
+            if {t.oid: t.key for t in tables}.get(relid) == (schema, name):
+                self._rename(followed, (schema, name), relid)
+            return
         # A partition published through its root is not listed itself: nothing to do for it.
-        if tables is not None and (schema, name) in {t.key for t in tables}:
+        if (schema, name) in {t.key for t in tables}:
             self._notice(tables)
+
+    def _rename(self, old: TableName, new: TableName, relid: int) -> None:
+        with connect(self.target) as conn:
+            SqlBookkeeping(conn).rename_table(self.slot, old, new)
+        self._known[new] = self._known.pop(old)
+        self._followed[relid] = new
+        self.published = (self.published - {old}) | {new}
+        raise PublicationChanged(
+            f"{old[0]}.{old[1]} was renamed {new[0]}.{new[1]} on the source: followed under its new "
+            "name (nothing is copied); the session starts again to take it")
 
     def _published(self) -> list[PublishedTable] | None:
         """The publications' tables now; None when a lock keeps the catalog from saying at once
@@ -119,8 +162,13 @@ class PublicationFollower:
         finally:
             self.control.execute("SET lock_timeout TO DEFAULT")
 
+    def _names(self, tables: list[PublishedTable]) -> dict[TableName, PublishedTable]:
+        """The published tables by the name this worker follows each under: a followed table
+        the source renamed keeps its old name until the stream reaches the rename."""
+        return {self._followed.get(t.oid, t.key): t for t in tables}
+
     def _notice(self, tables: list[PublishedTable]) -> None:
-        now = {t.key for t in tables}
+        now = set(self._names(tables))
         self._remove(now)
         added = sorted(now - self.published)
         if added:
@@ -135,15 +183,17 @@ class PublicationFollower:
             log.info("no longer published, so no longer applied (target rows kept): %s",
                      ", ".join(f"{s}.{t}" for s, t in removed))
             self._set(removed, "removed")
+            self._followed = {relid: name for relid, name in self._followed.items()
+                              if name not in removed}
 
     def _follow(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
-        now = {t.key for t in tables}
-        self._remove(now)
-        todo = [t for t in tables if self._known.get(t.key) in (None, "removed", "copying")]
+        names = self._names(tables)
+        self._remove(set(names))
+        todo = [t for key, t in names.items() if self._known.get(key) in (None, "removed", "copying")]
         copied: dict[TableName, LSN] = {}
         if todo:
             copied = self._copy(todo)
-        self.published = now
+        self.published = set(names)
         return copied
 
     def _copy(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
@@ -152,6 +202,9 @@ class PublicationFollower:
         log.info("copying %s (added to the publication) before streaming", names)
         started = time.monotonic()
         self._set([t.key for t in tables], "copying")
+        with connect(self.target) as conn:
+            SqlBookkeeping(conn).set_publication_relids(self.slot, {t.key: t.oid for t in tables})
+        self._followed.update({t.oid: t.key for t in tables})
         lsn = copy_round(self.settings, make_engine(self.target), CopyRound(self.slot, tables, False, ours),
                          self.stop)
         self._set([t.key for t in tables], "published")

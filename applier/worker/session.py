@@ -119,8 +119,9 @@ class ReplicationSession:
                 loop.committed(end_lsn, target_lsn)
 
             applier = self._applier(target, options, reflector, on_commit,
-                                    lambda msg: publications.relation(msg.namespace, msg.name), feeds,
-                                    catalog)
+                                    lambda msg: publications.relation(msg.namespace, msg.name,
+                                                                      msg.relation_id),
+                                    feeds, catalog)
             applied = applier.tx.applied
             stream, early_position = self._open_stream(options, applied.end_lsn, target.server_encoding)
             self.stream = stream

@@ -137,6 +137,36 @@ def test_metrics_health_and_status(source_db, target_db, tmp_path: Path) -> None
     assert table.returncode == 0 and "apply lag" in table.stdout and "WAL retained" in table.stdout
 
 
+def test_lag_of_a_fresh_replica_is_what_its_slot_has_to_deliver(source_db, target_db,
+                                                                 tmp_path: Path) -> None:
+    """WAL written before the slot existed is not the replica's to apply (issue 42): with
+    --create-slot on an idle publication, no scrape shows it as lag."""
+    ddl = "CREATE TABLE t (id int PRIMARY KEY, v text)"
+    source_db.execute(ddl)
+    target_db.execute(ddl)
+    source_db.execute("CREATE TABLE unpublished (v text)")
+    source_db.execute("INSERT INTO unpublished SELECT repeat('x', 200) FROM generate_series(1, 100000)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE t")
+    log = tmp_path / "worker.log"
+    # Probes every 10 s (the longest interval): what the first scrapes show comes from the
+    # first probes.
+    worker = start_worker(source_db, target_db, "--create-slot", "--metrics-port", "0",
+                          "--metrics-address", "127.0.0.1", "--status-interval", "10",
+                          log_path=log)
+    try:
+        base = metrics_url(log)
+        seen: list[float | None] = []
+
+        def streaming_lag_known() -> bool:
+            seen.append(sample(http_get(f"{base}/metrics")[1], "applier_apply_lag_bytes"))
+            return "streaming from" in log.read_text() and seen[-1] is not None
+
+        wait_for(streaming_lag_known, what="a known lag while streaming")
+        assert all(lag is None or lag < 1_000_000 for lag in seen), seen
+    finally:
+        assert stop_worker(worker) == 0, log.read_text()[-3000:]
+
+
 def test_status_missing_slot_and_newer_bookkeeping(source_db, target_db) -> None:
     # Tables other versions of the schema add are reported when present.
     target_db.execute("CREATE SCHEMA applier")

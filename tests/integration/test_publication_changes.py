@@ -143,3 +143,57 @@ def test_a_removed_table_is_no_longer_applied_and_keeps_its_rows(source_db, targ
     tables = json.loads(status.stdout)["publication_tables"]
     assert {(t["schema_name"], t["table_name"], t["state"]) for t in tables} == {
         ("public", "t1", "published"), ("public", "t2", "removed")}
+
+
+def _followed(target_db) -> set[tuple[str, str, str]]:
+    return set(target_db.query("SELECT schema_name, table_name, state FROM applier.publication_tables"))
+
+
+@pytest.mark.parametrize("rename", [
+    ("ALTER TABLE rc_t RENAME TO rc_new", "public.rc_new"),
+    ("ALTER TABLE rc_t SET SCHEMA other", "other.rc_t"),
+], ids=["rename", "set-schema"])
+def test_a_renamed_table_is_followed_under_its_new_name_not_copied(
+        source_db, target_db, tmp_path: Path, rename: tuple[str, str]) -> None:
+    """Renamed on the target, then on the source, while the worker streams (issue 42): the
+    source relation keeps its OID, so nothing is copied and no row is lost or doubled; the
+    change feed follows the rename too."""
+    statement, new_name = rename
+    for db in (source_db, target_db):
+        db.execute("CREATE SCHEMA other")
+        db.execute("CREATE TABLE rc_t (id int PRIMARY KEY, v text)")
+    source_db.execute("INSERT INTO rc_t SELECT g, 'v' FROM generate_series(1, 100) g")
+    target_db.execute("INSERT INTO rc_t SELECT g, 'v' FROM generate_series(1, 100) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE rc_t")
+    create_slot(source_db)
+    log = tmp_path / "worker.log"
+    worker = start_worker(source_db, target_db, "--change-feed", "all", log_path=log)
+    try:
+        wait_for(lambda: _state(target_db, "rc_t") == "published", what="the first session")
+        source_db.execute("INSERT INTO rc_t VALUES (101, 'before')")
+        wait_for(lambda: target_db.query("SELECT count(*) FROM rc_t") == [(101,)], what="101")
+        target_db.execute(statement)
+        source_db.execute(statement)
+        source_db.execute(f"INSERT INTO {new_name} VALUES (102, 'after')")
+        source_db.execute(f"UPDATE {new_name} SET v = 'changed' WHERE id = 1")
+        wait_for(lambda: target_db.query(f"SELECT v FROM {new_name} WHERE id IN (1, 102) ORDER BY id")
+                 == [("changed",), ("after",)], timeout=60, what="the changes after the rename")
+        assert worker.poll() is None, log.read_text()[-4000:]
+    finally:
+        assert stop_worker(worker) == 0, log.read_text()[-4000:]
+    assert_same_rows(source_db, target_db, new_name)
+    schema, name = new_name.split(".")
+    assert _followed(target_db) == {(schema, name, "published")}
+    text = log.read_text()
+    assert "copying" not in text and "added to the publication" not in text, text[-4000:]
+    # The change feed records the table's changes before and after the rename in one table.
+    recorded = target_db.query("SELECT table_schema, table_name FROM applier.change_tables")
+    assert recorded == [(schema, name)]
+    change_table = target_db.query("SELECT change_table FROM applier.change_tables")[0][0]
+    assert target_db.query(f'SELECT change_op::text, id FROM applier_changes."{change_table}" '
+                           "ORDER BY change_commit_lsn, change_seq") == [("I", 101), ("I", 102), ("U", 1)]
+    # A later run, the worker stopped, starts under the new name and copies nothing.
+    source_db.execute(f"INSERT INTO {new_name} VALUES (103, 'later')")
+    later = run_worker(source_db, target_db, "--change-feed", "all")
+    assert "copying" not in later.stderr
+    assert_same_rows(source_db, target_db, new_name)

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import re
+import resource
+import subprocess
 import time
 from pathlib import Path
 
 import psycopg
 import pytest
-from replication import assert_same_rows, create_slot, run_worker, start_worker, stop_worker, wait_for
+from replication import (
+    REPO,
+    assert_same_rows,
+    create_slot,
+    replicated_table,
+    run_worker,
+    start_worker,
+    stop_worker,
+    wait_for,
+    worker_command,
+    worker_env,
+)
 
 pytestmark = pytest.mark.server
 
@@ -271,4 +285,31 @@ def test_killed_right_after_an_early_commit_resumes_exactly_once(source_db, targ
     source_db.execute(_batch("big", 10_000, rows=3000))
     log = run_worker(source_db, target_db).stderr
     assert "2 transaction(s): 3001 insert" in log, log[-3000:]
+    assert_same_rows(source_db, target_db, "t")
+
+
+def test_a_spill_that_cannot_be_written_stops_the_worker_for_the_operator(source_db, target_db,
+                                                                          tmp_path: Path) -> None:
+    """A full spill disk (here a file size limit: the write fails the same way) is the
+    operator's to fix (issue 42): one line naming the directory and the bytes it needed, exit 1,
+    no traceback, and nothing lost: a start with room applies everything."""
+    replicated_table(source_db, target_db)
+    source_db.execute("INSERT INTO t SELECT g FROM generate_series(1, 30000) g")
+    spill_dir = tmp_path / "spill"
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    proc = subprocess.run(worker_command(source_db, target_db, "--exit-when-caught-up",
+                                         "--streamed-apply", "commit", "--memory-budget", "64kB",
+                                         "--spill-dir", str(spill_dir)),
+                          capture_output=True, text=True, timeout=180, cwd=REPO,
+                          env=worker_env(), preexec_fn=small_files)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(rf"cannot write the spill file of streamed transaction \d+ in {re.escape(str(spill_dir))}: "
+                     r"File too large \(\d+ bytes to write, \d+ bytes free there\)", proc.stderr), proc.stderr[-3000:]
+    assert target_db.query("SELECT count(*) FROM t") == [(0,)]
+    run_worker(source_db, target_db, "--streamed-apply", "commit", "--memory-budget", "64kB",
+               "--spill-dir", str(spill_dir))
     assert_same_rows(source_db, target_db, "t")

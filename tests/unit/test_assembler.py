@@ -637,3 +637,32 @@ def test_an_early_transaction_without_a_valid_subxid_is_refused(sink: RecordingS
     feed(asm, stream_start(93, first=True))
     with pytest.raises(ProtocolSequenceError, match="no valid transaction id"):
         asm.buffer_changes([insert(1, b"a", xid=93), insert(1, b"b", xid=0)], 0)
+
+
+def test_a_full_spill_disk_is_the_operators_to_fix(tmp_path: Path, monkeypatch) -> None:
+    """ENOSPC while spilling: a SpillFailed naming the directory and the bytes to write, which
+    the error policy reads as needing the operator (not a bug with a traceback)."""
+    import builtins
+    import errno
+
+    from applier.assembler.buffer import StreamBuffer
+    from applier.assembler.errors import SpillFailed
+    from applier.errors import Cause, Directive, cause_of, decide
+
+    buffer = StreamBuffer(7, tmp_path / "xid-7.spill")
+    buffer.append(7, b"x" * 100)
+    real_open = builtins.open
+
+    def full(path, mode="r", *args, **kwargs):
+        if "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full)
+    with pytest.raises(SpillFailed) as failed:
+        buffer.spill()
+    text = str(failed.value)
+    assert (f"cannot write the spill file of streamed transaction 7 in {tmp_path}: "
+            "No space left on device (104 bytes to write") in text
+    assert cause_of(failed.value) is Cause.NEEDS_OPERATOR and decide(failed.value) is Directive.STOP
+    assert buffer.memory_bytes > 0  # nothing forgotten: the records stay in memory

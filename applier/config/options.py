@@ -167,10 +167,12 @@ OPTIONS: tuple[Option, ...] = (
            "block ranges of this size, copied in parallel from the same snapshot. A table copied "
            "whole has its indexes built after its data instead. Units kB, MB, GB.",
            kind="size", default=1024**3, commands=("sync",)),
-    Option("create_tables", "Create missing target tables from the source definitions "
-           "(published columns, types, NOT NULL, portable defaults, primary key and replica "
-           "identity index), building other indexes after the data is in: every table applier "
-           "sync copies, and a table added to a publication while run runs.", kind="bool",
+    Option("create_tables", "Create missing target tables with the source's definitions "
+           "(published columns with their types, collations, defaults, identity and NOT NULL; "
+           "the sequences they use; primary key and replica identity), building other indexes "
+           "and unique constraints after each table's data, and CHECK and foreign key "
+           "constraints, validated, after every table's: every table applier sync copies, and a "
+           "table added to a publication while run runs.", kind="bool",
            default=False, commands=("sync", "run")),
     Option("truncate_target", "applier sync empties target tables that are not empty before "
            "copying into them, instead of refusing to start.", kind="bool", default=False,

@@ -6,7 +6,8 @@ position; wait (up to ``--timeout``) until the slot has confirmed everything up 
 worker does only once it is durable on the target; set the target's sequences
 (:mod:`.sequences`); check that no prepared transaction is pending on the source, nor on the
 target (prepared or deferred by the worker), and that no table copy is unfinished; compare the
-tables (``--verify counts``: row counts; ``full``: as ``applier verify``; ``off``); then report
+published tables' schemas (:mod:`.schemas`, every difference listed) and their rows (``--verify
+counts``: row counts; ``full``: as ``applier verify``; ``off``); then report
 every check with what to do about a failed one, as text or JSON. Exit status OK only when every
 check passed, CHECK when one failed, FAILED when the command could not do its work (a server
 unreachable, the slot missing).
@@ -26,12 +27,15 @@ from typing import Any
 import psycopg
 
 from ..config import Settings
+from ..errors import ApplierError
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..protocol.lsn import LSN
 from ..source.slots import SlotInfo, slot_info
+from ..sync.catalog import published_tables as source_tables
 from ..units import readable_size
 from ..verify import VerifyError, VerifyReport, count_sql, format_table, published_tables, snapshots, verify
+from .schemas import schema_differences
 from .sequences import SequencesReport, synchronise_sequences
 from .servers import LifecycleError, connect, source_prepared, target_prepared
 
@@ -50,6 +54,8 @@ class Check:
     ok: bool | None
     detail: str
     action: str | None = None
+    #: What it found, one thing a line (every schema difference).
+    lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -78,6 +84,7 @@ class CutoverReport:
         for check in self.checks:
             mark = {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
             lines.append(f"  [{mark}] {check.name}: {check.detail}")
+            lines += [f"         - {line}" for line in check.lines]
             if check.ok is False and check.action:
                 lines.append(f"         what to do: {check.action}")
         if self.sequences is not None and self.sequences.results:
@@ -175,6 +182,18 @@ def _compare(source_dsn: str, target_dsn: str, publications: list[str], slot: st
         return VerifyReport("counts", snaps.source_wal_lsn, snaps.target_positions, 1, results)
 
 
+def _schemas_check(source_dsn: str, target_dsn: str, publications: list[str]) -> Check:
+    with connect(source_dsn, "source", "cutover") as source, \
+            connect(target_dsn, "target", "cutover") as target:
+        tables = source_tables(source, publications)
+        differences = schema_differences(source, target, tables)
+    return Check("schemas equal", not differences,
+                 f"the definitions of {len(tables)} table(s) are the source's" if not differences
+                 else f"{len(differences)} difference(s) in the published tables' definitions",
+                 "make the target's definitions the source's (ALTER TABLE, CREATE INDEX, CREATE "
+                 "SEQUENCE ... on the target), then run cutover again", differences)
+
+
 def cutover(settings: Settings) -> CutoverReport:
     """Every check, in order; the waiting, sequences and comparison only once caught up."""
     slot = settings.required("slot")
@@ -191,6 +210,7 @@ def cutover(settings: Settings) -> CutoverReport:
         report.checks.append(_copies_check(target, slot))
     if not caught_up.ok:
         report.checks += [Check("sequences set", None, "not set: the replica has not caught up"),
+                          Check("schemas equal", None, "not compared: the replica has not caught up"),
                           Check("tables equal", None, "not compared: the replica has not caught up")]
         return report
     report.sequences = synchronise_sequences(source_dsn, target_dsn, settings.publication,
@@ -201,6 +221,7 @@ def cutover(settings: Settings) -> CutoverReport:
         f"{len(report.sequences.results)} sequence(s) at or past the source's"
         if not problems else "; ".join(problems),
         "fix each sequence as said, then run cutover again"))
+    report.checks.append(_schemas_check(source_dsn, target_dsn, settings.publication))
     if settings.verify == "off":
         report.checks.append(Check("tables equal", True, "not compared (--verify off)"))
         return report
@@ -222,7 +243,7 @@ def run_cutover(settings: Settings) -> int:
     settings.require("source", "target", "slot", "publication")
     try:
         report = cutover(settings)
-    except (LifecycleError, VerifyError, psycopg.Error) as exc:
+    except (ApplierError, VerifyError, psycopg.Error) as exc:
         print(f"applier cutover: {' '.join(str(exc).split())}", file=sys.stderr)
         return ExitCode.FAILED
     print(json.dumps(report.as_json(), indent=2) if settings.json else report.render())

@@ -6,8 +6,9 @@ Owns one copy round: the target tables made ready (created from the source's def
 holds nothing but this slot's own rows (or ``--truncate-target``), the tables marked as copying
 and emptied in one target transaction, the snapshot taken (the slot itself when it is created
 now, else a temporary slot whose consistent point is the copy's sync LSN), the copy in parallel
-sessions, each table marked done with that LSN in the transaction of its last rows. Must never
-stream changes or decide which tables need a copy.
+sessions, each table marked done with that LSN in the transaction of its last rows, and, with
+``--create-tables``, the CHECK and foreign key constraints once every table's data is in. Must
+never stream changes or decide which tables need a copy.
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ from .copy import copy_tables, plan_tasks
 from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
-from .target import TargetCheckError, is_empty, prepare_targets, target_session
+from .target import TargetCheckError, add_constraints, definitions, is_empty, prepare_targets, target_session
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["CopyRound", "copy_round"]
+__all__ = ["CopyRound", "complete_constraints", "copy_round"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,20 @@ def copy_round(settings: Settings, engine: Engine, round_: CopyRound, stop: thre
                             progress, encoding, stop, tick)
         finally:
             snapshot.close()
+        add_constraints(target, plans)  # every table's data is in: foreign keys find theirs
         return snapshot.consistent_point
+    finally:
+        control.close()
+        target.close()
+
+
+def complete_constraints(settings: Settings, tables: list[PublishedTable]) -> None:
+    """With ``--create-tables``, the CHECK and foreign key constraints of tables copied before
+    (by a round that ended before it added them): what is missing is added."""
+    target = target_session(settings.required("target"), "applier copy")
+    control = source_session(settings.required("source"), "UTF8", "applier copy control")
+    try:
+        add_constraints(target, definitions(control, tables))
     finally:
         control.close()
         target.close()

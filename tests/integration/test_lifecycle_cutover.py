@@ -54,7 +54,7 @@ def test_safe_when_caught_up_and_the_sequences_are_set(source_db, target_db, wor
     assert "verdict: SAFE" in done.stdout
     for name in ("replica caught up", "no prepared transaction on the source",
                  "no prepared transaction held on the target", "no table copy unfinished",
-                 "sequences set", "tables equal"):
+                 "sequences set", "schemas equal", "tables equal"):
         assert check_line(done.stdout, name).lstrip().startswith("[ok"), done.stdout
     assert target_db.query("SELECT last_value FROM t_id_seq") == [(100,)]
     as_json = run_cutover(source_db, target_db, "--json", "--verify", "full")
@@ -109,3 +109,13 @@ def test_a_differing_table(source_db, target_db, worker) -> None:
     assert counts.returncode == ExitCode.CHECK
     assert "row counts differ in public.t" in check_line(counts.stdout, "tables equal")
     assert "applier verify --table" in counts.stdout
+
+
+def test_a_differing_schema_is_listed(source_db, target_db, worker) -> None:
+    target_db.execute("ALTER TABLE t ALTER COLUMN v SET DEFAULT 'x'; CREATE INDEX t_v ON t (v)")
+    done = run_cutover(source_db, target_db)
+    assert done.returncode == ExitCode.CHECK, done.stdout + done.stderr
+    assert "FAIL" in check_line(done.stdout, "schemas equal")
+    assert '- "public"."t": column "v": default none on the source, \'x\'::text on the target' \
+        in done.stdout, done.stdout
+    assert '- "public"."t": index "t_v" is only on the target' in done.stdout, done.stdout

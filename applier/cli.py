@@ -50,10 +50,11 @@ COMMANDS: dict[str, str] = {
                  "never moves a target sequence backwards.",
     "cutover": "Once writes to the source have stopped: wait until the replica has applied "
                "everything, set the sequences, check that no prepared transaction or table copy "
-               "is pending, compare the tables, and say whether the target is a safe replacement.",
-    "drop": "Retire a replica: remove its slot on the source, its replication origin, "
-            "bookkeeping rows and pending prepared transactions on the target, and its spill "
-            "files. Refused while a worker holds the slot; safe to run twice.",
+               "is pending, compare the tables' schemas and rows, weigh skipped transactions "
+               "and conflicts, and say whether the target is a safe replacement.",
+    "drop": "Retire a replica: remove its slot on the source, its replication origin, change "
+            "feed, bookkeeping rows and pending prepared transactions on the target, and its "
+            "spill files. Refused while a worker holds the slot; safe to run twice.",
 }
 
 #: What the CHECK exit status means, for the commands that check something.
@@ -61,7 +62,8 @@ _CHECKS: dict[str, str] = {
     "status": "the slot is missing or the lag exceeds --max-lag",
     "verify": "the tables differ",
     "demo": "the target differs from the source",
-    "cutover": "the target is not (yet) a safe replacement: each failed check says what to do",
+    "cutover": "the target is not (yet) a safe replacement, or not confirmed one: each failed "
+               "check says what to do",
 }
 
 #: Where each command's entry point lives (``run`` is below), imported once it is chosen.

@@ -242,9 +242,11 @@ OPTIONS: tuple[Option, ...] = (
            default=0, commands=("sequences", "sync", "cutover")),
     Option("dry_run", "Show what would be set, and set nothing.", kind="bool", default=False,
            commands=("sequences",)),
-    Option("verify", "How cutover compares the tables: counts (row counts per table), full (as "
-           "applier verify: counts, per-range hashes, differing keys) or off.", kind="choice",
-           choices=("counts", "full", "off"), default="counts", commands=("cutover",)),
+    Option("verify", "How cutover compares the tables' rows: full (as applier verify: counts, "
+           "per-range hashes, the differing keys), counts (row counts only: quicker, but blind "
+           "to a changed row) or off. Only full can give the verdict SAFE; counts and off, with "
+           "no check failing, give NOT CONFIRMED.", kind="choice",
+           choices=("full", "counts", "off"), default="full", commands=("cutover",)),
     Option("keep_bookkeeping", "Keep the slot's rows in the target's applier tables (progress, "
            "table sync, conflicts, ...) for the record.", kind="bool", default=False,
            commands=("drop",)),

@@ -98,7 +98,7 @@ class Settings:
     # -- a replica's last steps
     margin: int
     dry_run: bool
-    verify: Literal["counts", "full", "off"]
+    verify: Literal["full", "counts", "off"]
     keep_bookkeeping: bool
     keep_change_feed: bool
     yes: bool

@@ -139,6 +139,26 @@ class SqlBookkeeping:
             "LIMIT %(limit)s", {"slot": slot, "limit": limit})
         return [dict(zip(columns, row)) for row in rows]
 
+    def skipped(self, slot: str) -> list[tuple[LSN, list[str]]]:
+        """The slot's skipped source transactions: (finish LSN, the tables they changed)."""
+        if "skipped_transactions" not in self.tables():
+            return []
+        return [(LSN.parse(r[0]), list(r[1])) for r in self._rows(
+            "SELECT finish_lsn::text, tables FROM applier.skipped_transactions "
+            "WHERE slot_name = %(slot)s ORDER BY id", {"slot": slot})]
+
+    def conflicts_by_table(self, slot: str) -> dict[str, dict[str, int]]:
+        """The slot's recorded conflicts: ``schema.table`` -> type -> how many."""
+        if "conflicts" not in self.tables():
+            return {}
+        found: dict[str, dict[str, int]] = {}
+        for table, kind, count in self._rows(
+                "SELECT table_schema || '.' || table_name, conflict_type, count(*) "
+                "FROM applier.conflicts WHERE slot_name = %(slot)s GROUP BY 1, 2 ORDER BY 1, 2",
+                {"slot": slot}):
+            found.setdefault(table, {})[kind] = int(count)
+        return found
+
     def tables_with_slots(self) -> list[str]:
         """The ``applier`` tables that hold rows per slot (a ``slot_name`` column), by name."""
         return [row[0] for row in self._rows(

@@ -38,8 +38,11 @@ COMMANDS: dict[str, str] = {
     "status": "Show a slot and its replica: slot state, WAL retained, last applied transaction, "
               "lag, prepared transactions, spill; exit non-zero when the slot is missing or lag "
               "exceeds --max-lag.",
-    "verify": "Compare source and replica table by table: counts, per-range hashes, then exactly "
-              "which keys differ.",
+    "verify": "Compare source and replica table by table, at one source position while the worker "
+              "runs: counts, per-range hashes, then exactly which keys differ; --repair makes "
+              "them equal.",
+    "resync": "Have the worker copy published tables again from a snapshot (emptied first) while "
+              "it streams the others; the next run does it first when no worker runs.",
     "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
                 "Parquet, tagged with the source LSN.",
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
@@ -60,7 +63,7 @@ COMMANDS: dict[str, str] = {
 #: What the CHECK exit status means, for the commands that check something.
 _CHECKS: dict[str, str] = {
     "status": "the slot is missing or the lag exceeds --max-lag",
-    "verify": "the tables differ",
+    "verify": "the tables differ (with --repair: some difference could not be repaired)",
     "demo": "the target differs from the source",
     "cutover": "the target is not (yet) a safe replacement, or not confirmed one: each failed "
                "check says what to do",
@@ -73,6 +76,7 @@ _RUNNERS: dict[str, tuple[str, str]] = {
     "skip": ("applier.skip", "run_skip"),
     "status": ("applier.ops.status", "status"),
     "verify": ("applier.verify", "run_verify"),
+    "resync": ("applier.repair.resync", "run_resync"),
     "pipeline": ("applier.spark.pipeline", "run_pipeline"),
     "demo": ("applier.demo", "run_demo"),
     "sequences": ("applier.lifecycle.sequences", "run_sequences"),

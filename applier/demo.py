@@ -6,12 +6,13 @@ rows on the source, runs ``applier sync --create-tables`` (the target's tables m
 source's definition, slot, snapshot copy, then streaming, with two-phase decoding) while a
 workload writes (small transactions, a large transaction the server streams in progress, a
 two-phase transaction, rows deleted and updated, and schema changes: a column added with a
-default, a type widened), shows progress and lag live, then ends the replica's life as a
-migration does: ``applier cutover`` with its default checks (the worker caught up, sequences
-set, nothing pending, schemas compared, every row compared by hash, skips and conflicts
-weighed) while the worker still runs, then stops the worker and retires the replica with
-``applier drop``; prints a summary and removes the servers (``--keep`` leaves them running and
-prints their connection strings).
+default, a type widened), shows progress and lag live, damages the target and finds and repairs
+it while the worker runs (``applier verify``, ``verify --repair``, ``verify`` again), then ends
+the replica's life as a migration does: ``applier cutover`` with its default checks (the worker
+caught up, sequences set, nothing pending, schemas compared, every row compared by hash, skips
+and conflicts weighed) while the worker still runs, then stops the worker and retires the
+replica with ``applier drop``; prints a summary and removes the servers (``--keep`` leaves them
+running and prints their connection strings).
 Must never touch a server it did not start.
 """
 
@@ -21,11 +22,12 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import psycopg
 
 from .config import Settings
-from .embedded import ServerSettings, start_server
+from .embedded import Database, ServerSettings, start_server
 from .exit_codes import ExitCode
 
 DEMO_GID = "demo-order-batch"
@@ -94,6 +96,27 @@ def _lag(source: psycopg.Connection) -> int:
     row = source.execute("SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots "
                          "WHERE slot_name = 'demo'").fetchone()
     return int(row[0]) if row and row[0] is not None else 0
+
+
+def _damage_and_repair(say: Callable[[str], None], target: Database, verify: list[str]) -> bool:
+    """Damage the replica while the worker runs, find it (applier verify), repair it (verify
+    --repair) and verify again; True when the last verify found the tables equal."""
+    say("  damage on the target: a review deleted, a product's price changed, an order added ...")
+    target.execute("DELETE FROM reviews WHERE id = 7")  # no row references it
+    target.execute("UPDATE products SET price = 0 WHERE sku = 'sku-3'")
+    target.execute("INSERT INTO orders VALUES (-1, 1, 'sku-1', 1, 0, NULL)")
+    equal = False
+    for label, extra in (("applier verify: both sides at one source position the worker holds at",
+                          []),
+                         ("applier verify --repair: those rows as the source has them", ["--repair"]),
+                         ("applier verify again", [])):
+        say(f"  {label} ...")
+        done = subprocess.run([*verify, *extra], capture_output=True, text=True)
+        for line in (done.stdout + done.stderr).splitlines():
+            if not (line.startswith("public.") and line.endswith(" equal")):  # the differing only
+                say(f"    {line}")
+        equal = done.returncode == ExitCode.OK and done.stdout.rstrip().endswith("EQUAL")
+    return equal
 
 
 def run_demo(settings: Settings) -> int:
@@ -171,6 +194,8 @@ def run_demo(settings: Settings) -> int:
         elapsed = time.monotonic() - started
         applier = [sys.executable, "-m", "applier"]
         servers = ["--source", source_db.dsn, "--target", target_db.dsn, "--slot", "demo"]
+        repaired = _damage_and_repair(say, target_db, [*applier, "verify", *servers, "--publication",
+                                                       "demo_pub", "--max-keys", "3"])
         say("  applier cutover: writes have stopped; caught up? sequences, prepared transactions, "
             "schemas, every row compared, skips and conflicts ...")
         cutover = subprocess.run([*applier, "cutover", *servers, "--publication", "demo_pub",
@@ -187,12 +212,13 @@ def run_demo(settings: Settings) -> int:
         dropped = drop.returncode == ExitCode.OK
         say(f"summary: {transactions} source transactions, {rows} row changes in {elapsed:.1f}s "
             f"({rows / elapsed:,.0f} rows/s written and replicated), peak slot lag "
-            f"{max_lag / 1024:.1f} kB, target {'equals' if safe else 'DIFFERS FROM'} source"
+            f"{max_lag / 1024:.1f} kB, damage {'found and repaired' if repaired else 'NOT repaired'}, "
+            f"target {'equals' if safe else 'DIFFERS FROM'} source"
             + ("" if safe else " (see the cutover report)")
             + (", replica retired" if dropped else "; the drop FAILED"))
         if settings.keep:
             say(f"servers kept running:\n  source: {source_db.dsn}\n  target: {target_db.dsn}")
-        return ExitCode.OK if safe and dropped else ExitCode.CHECK
+        return ExitCode.OK if safe and dropped and repaired else ExitCode.CHECK
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

@@ -13,7 +13,7 @@ __all__ = ["OPTIONS", "entry", "options_for"]
 
 _REPLICATION = ("run", "sync", "peek")
 #: Commands that print their own result: logging only adds warnings unless asked for more.
-_REPORTING = ("verify", "pipeline", "demo", "sequences", "cutover", "drop")
+_REPORTING = ("verify", "pipeline", "demo", "sequences", "cutover", "drop", "resync")
 #: The commands of a replica's last steps (applier/lifecycle/).
 _LIFECYCLE = ("sequences", "cutover", "drop")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -23,23 +23,28 @@ OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
            "other libpq options pass through. Required (optional for skip, which then checks "
            "the slot on the target only).", secret=True,
-           commands=_REPLICATION + ("status", "verify", "skip") + _LIFECYCLE),
+           commands=_REPLICATION + ("status", "verify", "skip", "resync") + _LIFECYCLE),
     Option("target", "libpq connection string or URL of the target (replica) database. Required.",
-           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline") + _LIFECYCLE),
+           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline", "resync")
+           + _LIFECYCLE),
     Option("slot", "Logical replication slot on the source: the one run and sync consume, peek "
-           "reads without consuming, status and skip report on, cutover waits for, drop removes. "
-           "Required.", metavar="NAME", commands=_REPLICATION + ("status", "skip", "cutover", "drop")),
+           "reads without consuming, status and skip report on, cutover waits for, drop removes, "
+           "resync asks the worker of. Required.", metavar="NAME",
+           commands=_REPLICATION + ("status", "skip", "cutover", "drop", "resync")),
     Option("slot", "Slot of the replica: the report then says how far the target had applied "
            "it when the sequences were set. Default: no such note.", metavar="NAME",
            commands=("sequences",)),
-    Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
-           metavar="NAME", commands=("verify",)),
+    Option("slot", "The replica's slot: while its worker runs, both sides are compared at one "
+           "source position it holds at for a moment (and --repair writes there). Default: the "
+           "only slot the target has applied; without a running worker, each side is read as "
+           "it is (a change not applied yet shows as a difference).", metavar="NAME",
+           commands=("verify",)),
     Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
            "one the target has.", metavar="NAME", commands=("pipeline",)),
     Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
            "and peek receive, whose tables verify and cutover compare, whose sequences sequences "
-           "sets. Required.", kind="list", default=[],
-           commands=_REPLICATION + ("verify", "sequences", "cutover")),
+           "sets, whose tables resync may copy again. Required.", kind="list", default=[],
+           commands=_REPLICATION + ("verify", "sequences", "cutover", "resync")),
     Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
            default=False, commands=("run",)),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
@@ -101,6 +106,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", "How long to wait for the worker to apply and confirm everything the source "
            "had written when cutover started (30s, 5min; a bare number is seconds); then fail, "
            "saying how far behind it is.", kind="duration", default=300.0, commands=("cutover",)),
+    Option("timeout", "How long to wait for the worker to reach the comparison's (or the "
+           "repair's) source position; the worker lets go of a hold after this long too.",
+           kind="duration", default=60.0, commands=("verify",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
            "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
@@ -209,6 +217,17 @@ OPTIONS: tuple[Option, ...] = (
            metavar="TABLE", commands=("verify",)),
     Option("table", "Replicated table to aggregate (schema.table or table).", kind="list",
            default=["orders"], metavar="TABLE", commands=("pipeline",)),
+    Option("table", "Published table(s) to copy again (schema.table or table), comma separated; "
+           "repeatable. Required.", kind="list", default=[], repeatable=True,
+           metavar="TABLE[,TABLE...]", commands=("resync",)),
+    Option("keep_target_columns", "Copy a table again even though its target table has columns "
+           "the source does not publish: the copy empties the table, so their values are lost "
+           "(new rows get their defaults).", kind="bool", default=False, commands=("resync",)),
+    Option("repair", "Make the target equal to the source where the tables differ, while the "
+           "worker runs: the differing keys' rows are read from a source snapshot and written "
+           "while the worker holds at its position; a table without a key (or with over 10000 "
+           "differing keys) is copied again whole, as applier resync does. Without it, verify "
+           "only says what --repair would do.", kind="bool", default=False, commands=("verify",)),
     Option("engine", "sql: compare inside the databases; spark: with PySpark, for tables too "
            "large for one machine.", kind="choice", choices=("sql", "spark"), default="sql",
            commands=("verify",)),

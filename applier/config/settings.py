@@ -84,6 +84,8 @@ class Settings:
     max_lag: LagLimit | None
     # -- verify and pipeline
     table: list[str]
+    keep_target_columns: bool
+    repair: bool
     engine: Literal["sql", "spark"]
     settle: float
     max_keys: int
@@ -231,6 +233,8 @@ def _validate(settings: Settings) -> None:
             parse_table_name(name, "change_feed")
     if settings.conflict_policy:
         parse_conflict_policies(settings.conflict_policy)
+    if settings.repair and settings.engine != "sql":
+        raise ConfigError("repair: --repair compares with the sql engine; leave out --engine spark")
     if settings.command == "pipeline" and len(settings.table) != 1:
         raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
     if settings.every is not None and settings.every <= 0:

@@ -7,11 +7,12 @@ CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never writ
 database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
-``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``) are read only
-when the target's catalog has them, so status works on a target whatever version of the schema
-it carries. Whether a worker or a sync of the slot runs is read from its lock on the target, so
-a table whose copy stopped unfinished is told from one being copied. The change feed is shown
-per table: the LSN range it retains, its partitions, a row estimate and its size.
+``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``,
+``applier.repairs``) are read only when the target's catalog has them, so status works on a
+target whatever version of the schema it carries. Whether a worker or a sync of the slot runs is
+read from its lock on the target, so a table whose copy stopped unfinished is told from one
+being copied. Resyncs and repairs are shown newest first. The change feed is shown per table:
+the LSN range it retains, its partitions, a row estimate and its size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.feed_registry import FeedRegistry
 from ..progress.lock import LockHolder, lock_holder
 from ..progress.records import Progress
+from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..queries import rows
@@ -70,6 +72,7 @@ class StatusReport:
     change_feed: list[dict[str, Any]] | None
     #: The target session holding the slot's lock (a worker or a sync of the slot runs), if any.
     running: LockHolder | None
+    repairs: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
     notes: list[str] = field(default_factory=list)
@@ -126,6 +129,7 @@ def collect_status(settings: Settings) -> StatusReport:
         change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
                        if "change_tables" in tables else None)
         running = lock_holder(target, slot_name)
+        repairs = [_with_lsns(row) for row in Repairs(target).latest(slot_name)]
     notes: list[str] = []
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
@@ -146,7 +150,7 @@ def collect_status(settings: Settings) -> StatusReport:
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
-        change_feed=change_feed, running=running, spill_dir=str(spill_dir),
+        change_feed=change_feed, running=running, repairs=repairs, spill_dir=str(spill_dir),
         spill_bytes=_directory_bytes(spill_dir), notes=notes)
 
 
@@ -238,6 +242,35 @@ def _table_sync_line(row: Mapping[str, Any], running: bool) -> str:
     return text
 
 
+#: What a table the worker does not simply apply is doing, by its state in publication_tables.
+_PUBLICATION_STATES = {"removed": "no longer published: not applied, target rows kept",
+                       "copying": "being copied (added to the publication, or applier resync)",
+                       "resync": "to be copied again (applier resync): the worker starts within "
+                                 "seconds, or the next run first"}
+
+
+def _repair_line(row: Mapping[str, Any]) -> str:
+    """``2024-... public.t: resync done at 0/1A2B: 5000 rows`` or a repair's rows and keys."""
+    name = f"{row['schema_name']}.{row['table_name']}"
+    when = _jsonable(row.get("finished_at") or row.get("started_at") or row.get("requested_at"))
+    if row["kind"] == "resync":
+        if row["state"] != "done":
+            return f"{when} {name}: resync {'copying' if row['state'] == 'copying' else 'requested'}"
+        return f"{when} {name}: resync done at {row['source_lsn']}: {row.get('inserted')} rows copied"
+    keys = ", ".join(_key_text(k) for k in row.get("keys") or [])
+    more = row.get("key_count", 0) - len(row.get("keys") or [])
+    return (f"{when} {name}: repaired at {row['source_lsn']}: {row.get('inserted')} inserted, "
+            f"{row.get('updated')} updated, {row.get('deleted')} deleted; keys {keys}"
+            + (f" and {more} more" if more > 0 else ""))
+
+
+def _key_text(key: list[Any]) -> str:
+    """A repaired key (a list of text values) or key range (two integers)."""
+    if all(isinstance(v, int) for v in key):
+        return str(key[0]) if key[0] == key[-1] else f"{key[0]}-{key[-1]}"
+    return str(key[0]) if len(key) == 1 else f"({', '.join(map(str, key))})"
+
+
 def _feed_line(row: Mapping[str, Any], progress: Progress | None) -> str:
     """``public.orders -> applier_changes.public.orders: changes committed after 0/0 up to
     0/1B2C3D4, 3 partition(s), ~1200 rows, 240.0 kB``."""
@@ -294,9 +327,7 @@ def render_table(report: StatusReport) -> str:
     not_applied = [t for t in report.publication_tables if t["state"] != "published"]
     if report.publication_tables:
         rows.append(("published tables", f"{len(report.publication_tables)} followed" + "".join(
-            f"\n  {t['schema_name']}.{t['table_name']}: "
-            + ("no longer published: not applied, target rows kept" if t["state"] == "removed"
-               else "being copied (added to the publication)")
+            f"\n  {t['schema_name']}.{t['table_name']}: " + _PUBLICATION_STATES.get(t["state"], t["state"])
             for t in not_applied)))
     if report.schema_changes:
         rows.append(("schema changes", f"{len(report.schema_changes)} latest" + "".join(
@@ -304,6 +335,9 @@ def render_table(report: StatusReport) -> str:
     if report.change_feed:
         rows.append(("change feed", f"{len(report.change_feed)} table(s)" + "".join(
             f"\n  {_feed_line(row, progress)}" for row in report.change_feed)))
+    if report.repairs:
+        rows.append(("repairs", f"{len(report.repairs)} latest" + "".join(
+            f"\n  {_repair_line(row)}" for row in report.repairs)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
             f"\n  {_table_sync_line(row, holder is not None)}" for row in report.table_sync)))

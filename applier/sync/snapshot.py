@@ -42,10 +42,11 @@ def source_session(dsn: str, client_encoding: str, application_name: str) -> psy
     return conn
 
 
-def temporary_slot_name(slot: str) -> str:
-    """A name for the resumed sync's temporary slot: valid, at most 63 bytes, unique per process."""
+def temporary_slot_name(slot: str, purpose: str = "sync") -> str:
+    """A name for a temporary slot taken for ``slot`` (a resumed sync's, a verify's): valid, at
+    most 63 bytes, unique per process and purpose."""
     stem = "".join(ch if ch.isalnum() and ch.isascii() else "_" for ch in slot.lower())[:40]
-    return f"{stem}_sync_{os.getpid()}"
+    return f"{stem}_{purpose}_{os.getpid()}"
 
 
 @dataclass

@@ -44,6 +44,7 @@ from ..source.slots import create_slot, slot_info
 from ..source.stream import classify
 from .loop import CaughtUp, StreamLoop
 from .publication import PublicationFollower
+from .requests import Requests
 
 if TYPE_CHECKING:
     from ..headstart import HeadStart
@@ -98,6 +99,7 @@ class ReplicationSession:
         applier: Applier | None = None
         early: StreamingApply | None = None
         loop: StreamLoop | None = None
+        requests: Requests | None = None
         reflector = Reflector(settings.required("target"))
         catalog = SourceCatalog(settings.required("source"))
         try:
@@ -140,9 +142,15 @@ class ReplicationSession:
                                   spill_dir=self.spill_dir, heartbeat=stream.send_status_if_due,
                                   early=early)
             flushed = early.flushed_wal_lsn if early is not None else target.flushed_wal_lsn
+            streaming = early
+            requests = Requests(settings.required("target"), self.slot, applier, stream, publications,
+                                self.stopping.is_set,
+                                lambda: streaming is not None and streaming.applying)
+            requests.start()  # a position to hold at is honoured from the first transaction on
             loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),
                               control, self.slot, flushed, state.caught_up, self.stopping.is_set,
-                              settings.progress_interval, publications.check)
+                              settings.progress_interval, publications.check,
+                              requests.between_transactions)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
                      applied.commit_lsn, options.sql(),
@@ -162,6 +170,8 @@ class ReplicationSession:
             # otherwise holds the slot.
             self.telemetry.detach()
             steps: list[Callable[[], object]] = []
+            if requests is not None:
+                steps.append(requests.close)  # a copy beside the stream stops first
             if early is not None:
                 steps.append(early.close)
             if applier is not None:

@@ -30,6 +30,7 @@ PRECEDENCE = {
     "sequences": ("margin", "1", "2", "3"),
     "cutover": ("timeout", "1", "2", "3"),
     "drop": ("slot", "f", "e", "c"),
+    "resync": ("slot", "f", "e", "c"),
 }
 
 

@@ -1,13 +1,13 @@
 """The source's column types as the worker last saw them, per slot and table.
 
-Revision ID: 0009_source_columns
-Revises: 0008
+Revision ID: 0010_source_columns
+Revises: 0009
 """
 
 from alembic import op
 
-revision = "0009_source_columns"
-down_revision = "0008"
+revision = "0010_source_columns"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 

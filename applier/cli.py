@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .config import ConfigError, Option, Settings, load_settings, options_for
@@ -53,10 +53,11 @@ COMMANDS: dict[str, str] = {
                  "never moves a target sequence backwards.",
     "cutover": "Once writes to the source have stopped: wait until the replica has applied "
                "everything, set the sequences, check that no prepared transaction or table copy "
-               "is pending, compare the tables, and say whether the target is a safe replacement.",
-    "drop": "Retire a replica: remove its slot on the source, its replication origin, "
-            "bookkeeping rows and pending prepared transactions on the target, and its spill "
-            "files. Refused while a worker holds the slot; safe to run twice.",
+               "is pending, compare the tables' schemas and rows, weigh skipped transactions "
+               "and conflicts, and say whether the target is a safe replacement.",
+    "drop": "Retire a replica: remove its slot on the source, its replication origin, change "
+            "feed, bookkeeping rows and pending prepared transactions on the target, and its "
+            "spill files. Refused while a worker holds the slot; safe to run twice.",
 }
 
 #: What the CHECK exit status means, for the commands that check something.
@@ -65,7 +66,8 @@ _CHECKS: dict[str, str] = {
               "the replica",
     "verify": "the tables differ (with --repair: some difference could not be repaired)",
     "demo": "the target differs from the source",
-    "cutover": "the target is not (yet) a safe replacement: each failed check says what to do",
+    "cutover": "the target is not (yet) a safe replacement, or not confirmed one: each failed "
+               "check says what to do",
 }
 
 #: Where each command's entry point lives (``run`` is below), imported once it is chosen.
@@ -98,6 +100,15 @@ class _Formatter(argparse.HelpFormatter):
                          for line in text.splitlines())
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage gets the one line that says what is wrong, and where the rest is explained,
+    not the whole usage block before it (exit status 2, as argparse's own)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n"
+                                  f"(see {self.prog} --help for every option)\n")
+
+
 def _help(option: Option) -> str:
     text = option.help
     if option.default_text is not None:
@@ -115,9 +126,12 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **common)
         elif {"on", "off"} <= set(option.choices):
             # Once a boolean (--binary): the bare flag still means on, and --no-... off.
-            parser.add_argument(option.flag, choices=option.choices, nargs="?", const="on", **common)
+            parser.add_argument(option.flag, choices=option.choices, nargs="?", const="on",
+                                type=option.choice, **common)
             parser.add_argument("--no-" + option.flag[2:], dest=option.name, action="store_const",
                                 const="off", help=argparse.SUPPRESS)
+        elif option.choices and option.kind == "choice":  # in any case: --log-level debug
+            parser.add_argument(option.flag, choices=option.choices, type=option.choice, **common)
         elif option.choices:
             parser.add_argument(option.flag, choices=option.choices, **common)
         else:
@@ -126,7 +140,7 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="applier", formatter_class=_Formatter,
         description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
                     "(protocol 1-4) and applies each source transaction exactly once to a target "

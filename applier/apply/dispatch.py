@@ -48,6 +48,7 @@ from .lane_seat import LaneSeat
 from .mapping import MappingError, RelationMapping
 from .mappings import TableMappings
 from .relations import RelationCache
+from .schema import ColumnSource
 from .skipping import Skipper
 from .statements import truncate_sql
 from .sync_filter import SyncFilter
@@ -70,11 +71,12 @@ class Applier:
     def __init__(self, tx: TargetTransaction, relations: RelationCache, handlers: Handlers, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
                  sync_filter: SyncFilter | None = None, follow_schema: bool = False,
+                 source: ColumnSource | None = None,
                  on_relation: Callable[[Relation], None] | None = None) -> None:
         self.tx = tx
         self.relations = relations
         self.handlers = handlers
-        self.mappings = TableMappings(tx, relations, follow_schema=follow_schema)
+        self.mappings = TableMappings(tx, relations, follow_schema=follow_schema, source=source)
         #: A relation's mapping onto its target table (``TableMappings.mapping``), per row change.
         self.mapping = self.mappings.mapping
         self._schema_changes = tx.schema_changes  # how this session makes them, outside 2PC

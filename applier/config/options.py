@@ -127,9 +127,11 @@ OPTIONS: tuple[Option, ...] = (
            "(spilled beyond --memory-budget) and applied at its commit.",
            kind="choice", choices=("early", "commit"), default="early"),
     Option("schema_changes", "What a source table's changed columns do to the target. follow: "
-           "a column the target lacks is added (nullable, no default; a type that is not built "
-           "in must exist on the target by the same name), a column whose source type now holds "
-           "more is widened along a safe list (smallint, integer, bigint; real, double "
+           "a column the target lacks is added (a type that is not built in must exist on the "
+           "target by the same name) with the source's default, which the rows already there "
+           "read as on the source (one the source wrote into its rows by rewriting the table, "
+           "a volatile default, stops the worker, saying what to do), a column whose source "
+           "type now holds more is widened along a safe list (smallint, integer, bigint; real, double "
            "precision; a longer varchar or text; a wider numeric), a column gone from the source "
            "stays and loses its NOT NULL when it has no default; each change in the target "
            "transaction of the first row change that needs it, recorded in "
@@ -180,10 +182,12 @@ OPTIONS: tuple[Option, ...] = (
            "block ranges of this size, copied in parallel from the same snapshot. A table copied "
            "whole has its indexes built after its data instead. Units kB, MB, GB.",
            kind="size", default=1024**3, commands=("sync",)),
-    Option("create_tables", "Create missing target tables from the source definitions "
-           "(published columns, types, NOT NULL, portable defaults, primary key and replica "
-           "identity index), building other indexes after the data is in: every table applier "
-           "sync copies, and a table added to a publication while run runs.", kind="bool",
+    Option("create_tables", "Create missing target tables with the source's definitions "
+           "(published columns with their types, collations, defaults, identity and NOT NULL; "
+           "the sequences they use; primary key and replica identity), building other indexes "
+           "and unique constraints after each table's data, and CHECK and foreign key "
+           "constraints, validated, after every table's: every table applier sync copies, and a "
+           "table added to a publication while run runs.", kind="bool",
            default=False, commands=("sync", "run")),
     Option("truncate_target", "applier sync empties target tables that are not empty before "
            "copying into them, instead of refusing to start.", kind="bool", default=False,
@@ -269,11 +273,18 @@ OPTIONS: tuple[Option, ...] = (
            default=0, commands=("sequences", "sync", "cutover")),
     Option("dry_run", "Show what would be set, and set nothing.", kind="bool", default=False,
            commands=("sequences",)),
-    Option("verify", "How cutover compares the tables: counts (row counts per table), full (as "
-           "applier verify: counts, per-range hashes, differing keys) or off.", kind="choice",
-           choices=("counts", "full", "off"), default="counts", commands=("cutover",)),
+    Option("verify", "How cutover compares the tables' rows: full (as applier verify: counts, "
+           "per-range hashes, the differing keys), counts (row counts only: quicker, but blind "
+           "to a changed row) or off. Only full can give the verdict SAFE; counts and off, with "
+           "no check failing, give NOT CONFIRMED.", kind="choice",
+           choices=("full", "counts", "off"), default="full", commands=("cutover",)),
     Option("keep_bookkeeping", "Keep the slot's rows in the target's applier tables (progress, "
            "table sync, conflicts, ...) for the record.", kind="bool", default=False,
+           commands=("drop",)),
+    Option("keep_change_feed", "Keep the slot's change feed (its change tables in schema "
+           "applier_changes and their rows in applier.change_tables, change_partitions and "
+           "change_commits), for reading its history after the replica is retired. A sync of a "
+           "slot of the same name starts its history again.", kind="bool", default=False,
            commands=("drop",)),
     Option("yes", "Do not ask for confirmation on a terminal (without a terminal drop never "
            "asks).", kind="bool", default=False, commands=("drop",)),

@@ -102,8 +102,9 @@ class Settings:
     # -- a replica's last steps
     margin: int
     dry_run: bool
-    verify: Literal["counts", "full", "off"]
+    verify: Literal["full", "counts", "off"]
     keep_bookkeeping: bool
+    keep_change_feed: bool
     yes: bool
     # -- demo
     pg_version: int
@@ -173,11 +174,11 @@ def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path
         value, origin = option.convert(option.default), "default"
         if command in option.commands:
             if name in file_values:
-                value, origin = option.convert(file_values[name]), "file"
+                value, origin = option.convert(file_values[name], f"{name} in {path}"), "file"
             if option.env in environ:
-                value, origin = option.convert(environ[option.env]), "env"
+                value, origin = option.convert(environ[option.env], option.env), "env"
             if cli_values.get(name) is not None:
-                value, origin = option.convert(cli_values[name]), "cli"
+                value, origin = option.convert(cli_values[name], option.flag), "cli"
             sources[name] = origin
         values[name] = value
     settings = Settings(command=command, sources=sources, **values)
@@ -246,6 +247,6 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("every must be a positive duration")
     if settings.rounds is not None and settings.rounds < 1:
         raise ConfigError("rounds must be at least 1")
-    for name in ("settle", "seconds", "max_keys", "margin", "timeout"):
-        if getattr(settings, name) < 0:
+    for name in ("settle", "seconds", "max_keys", "margin", "timeout", "limit"):
+        if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"{name} must not be negative")

@@ -11,9 +11,10 @@ take over the replica. Must never write to any database or touch the slot.
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
 ``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``,
 ``applier.repairs``) are read only when the target's catalog has them, so status works on a
-target whatever version of the schema it carries. Resyncs and repairs are shown newest first.
-The change feed is shown per table: the LSN range it retains, its partitions, a row estimate
-and its size.
+target whatever version of the schema it carries. Whether a worker or a sync of the slot runs is
+read from its lock on the target, so a table whose copy stopped unfinished is told from one
+being copied. Resyncs and repairs are shown newest first. The change feed is shown per table:
+the LSN range it retains, its partitions, a row estimate and its size.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ..config import Settings, mask_dsn
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.feed_registry import FeedRegistry
+from ..progress.lock import LockHolder, lock_holder
 from ..progress.records import Progress
 from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
@@ -79,6 +81,8 @@ class StatusReport:
     schema_changes: list[dict[str, Any]]
     publication_tables: list[dict[str, Any]]
     change_feed: list[dict[str, Any]] | None
+    #: The target session holding the slot's lock (a worker or a sync of the slot runs), if any.
+    running: LockHolder | None
     repairs: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
@@ -148,6 +152,7 @@ def collect_status(settings: Settings) -> StatusReport:
                               sorted(store.publication_tables(slot_name).items())]
         change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
                        if "change_tables" in tables else None)
+        running = lock_holder(target, slot_name)
         repairs = [_with_lsns(row) for row in Repairs(target).latest(slot_name)]
     notes: list[str] = list(failover.warnings)
     if slot is None:
@@ -169,7 +174,7 @@ def collect_status(settings: Settings) -> StatusReport:
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
-        change_feed=change_feed, repairs=repairs, spill_dir=str(spill_dir),
+        change_feed=change_feed, running=running, repairs=repairs, spill_dir=str(spill_dir),
         spill_bytes=_directory_bytes(spill_dir), failover=failover, notes=notes)
 
 
@@ -242,12 +247,16 @@ def _size(n: int | None) -> str:
     return f"{readable_size(n)} ({n} bytes)" if n >= 1024 else f"{n} bytes"
 
 
-def _table_sync_line(row: Mapping[str, Any]) -> str:
-    """``public.orders: copied at 0/1A2B3C4D: 200000 rows, 12.3 MB, in 4.2 s`` (or copying)."""
+def _table_sync_line(row: Mapping[str, Any], running: bool) -> str:
+    """``public.orders: copied at 0/1A2B3C4D: 200000 rows, 12.3 MB, in 4.2 s``, or not copied
+    yet: being copied while a sync (or worker) of the slot runs, else left unfinished."""
     name = f"{row.get('schema_name')}.{row.get('table_name')}"
     if row.get("state") != "done":
         started = row.get("started_at")
-        return f"{name}: copying" + (f" since {_jsonable(started)}" if started else "")
+        if running:
+            return f"{name}: in the copy under way (begun {_jsonable(started)})"
+        return (f"{name}: not copied: the copy that began {_jsonable(started)} stopped "
+                "unfinished, and no sync runs; run applier sync to finish it")
     text = f"{name}: copied at {row.get('sync_lsn')}"
     if row.get("rows_copied") is not None:
         text += f": {row['rows_copied']} rows, {_size(row.get('bytes_copied')).split(' (')[0]}"
@@ -328,6 +337,9 @@ def render_table(report: StatusReport) -> str:
     if report.max_lag and report.lag is not None:
         lag += f" ({'EXCEEDS' if report.lag_exceeded else 'within'} --max-lag {report.max_lag})"
     rows.append(("apply lag", lag))
+    holder = report.running
+    rows.append(("worker", "not running" if holder is None else
+                 f"running (target backend pid {holder.backend_pid}, {holder.application_name!r})"))
     rows.append(("pending prepared transactions", str(len(report.prepared_transactions))
                  + "".join(f"\n  {p['gid']} ({p['mode']} mode) prepared {_jsonable(p['prepared'])}"
                            for p in report.prepared_transactions)))
@@ -354,7 +366,7 @@ def render_table(report: StatusReport) -> str:
             f"\n  {_repair_line(row)}" for row in report.repairs)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
-            f"\n  {_table_sync_line(row)}" for row in report.table_sync)))
+            f"\n  {_table_sync_line(row, holder is not None)}" for row in report.table_sync)))
     spill = ("no spill directory on this machine" if report.spill_bytes is None
              else _size(report.spill_bytes))
     rows.append(("spill", f"{spill} in {report.spill_dir}"))

@@ -148,6 +148,26 @@ class SqlBookkeeping:
             "LIMIT %(limit)s", {"slot": slot, "limit": limit})
         return [dict(zip(columns, row)) for row in rows]
 
+    def skipped(self, slot: str) -> list[tuple[LSN, list[str]]]:
+        """The slot's skipped source transactions: (finish LSN, the tables they changed)."""
+        if "skipped_transactions" not in self.tables():
+            return []
+        return [(LSN.parse(r[0]), list(r[1])) for r in self._rows(
+            "SELECT finish_lsn::text, tables FROM applier.skipped_transactions "
+            "WHERE slot_name = %(slot)s ORDER BY id", {"slot": slot})]
+
+    def conflicts_by_table(self, slot: str) -> dict[str, dict[str, int]]:
+        """The slot's recorded conflicts: ``schema.table`` -> type -> how many."""
+        if "conflicts" not in self.tables():
+            return {}
+        found: dict[str, dict[str, int]] = {}
+        for table, kind, count in self._rows(
+                "SELECT table_schema || '.' || table_name, conflict_type, count(*) "
+                "FROM applier.conflicts WHERE slot_name = %(slot)s GROUP BY 1, 2 ORDER BY 1, 2",
+                {"slot": slot}):
+            found.setdefault(table, {})[kind] = int(count)
+        return found
+
     def tables_with_slots(self) -> list[str]:
         """The ``applier`` tables that hold rows per slot (a ``slot_name`` column), by name."""
         return [row[0] for row in self._rows(
@@ -156,9 +176,20 @@ class SqlBookkeeping:
             "WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p') "
             "AND a.attname = 'slot_name' AND NOT a.attisdropped ORDER BY 1")]
 
-    def slot_row_counts(self, slot: str) -> dict[str, int]:
-        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema)."""
+    def slots(self) -> list[str]:
+        """Every slot with a row in some bookkeeping table, by name."""
         tables = self.tables_with_slots()
+        if not tables:
+            return []
+        query = sql.SQL(" UNION ").join(
+            sql.SQL("SELECT slot_name FROM {}").format(sql.Identifier("applier", name))
+            for name in tables)
+        return sorted(row[0] for row in self._rows(query))
+
+    def slot_row_counts(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema),
+        but for the tables ``besides``."""
+        tables = [name for name in self.tables_with_slots() if name not in set(besides)]
         if not tables:
             return {}
         query = sql.SQL(" UNION ALL ").join(
@@ -167,10 +198,13 @@ class SqlBookkeeping:
         return {name: int(count) for name, count in self._rows(query, {"slot": slot}) if count}
 
     # -- writes --------------------------------------------------------------------------------------
-    def forget_slot(self, slot: str) -> dict[str, int]:
-        """Delete ``slot``'s rows from every bookkeeping table; the rows deleted, per table."""
+    def forget_slot(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Delete ``slot``'s rows from every bookkeeping table but the tables ``besides``; the
+        rows deleted, per table."""
         deleted = {}
         for name in self.tables_with_slots():
+            if name in set(besides):
+                continue
             count = self._rows(sql.SQL(
                 "WITH gone AS (DELETE FROM {} WHERE slot_name = %(slot)s RETURNING 1) "
                 "SELECT count(*) FROM gone").format(sql.Identifier("applier", name)),

@@ -39,7 +39,7 @@ from ..worker import run
 from .catalog import published_tables
 from .copy import CopyStopped
 from .snapshot import source_session
-from .tables import CopyRound, copy_round
+from .tables import CopyRound, complete_constraints, copy_round
 
 __all__ = ["Syncer", "run_sync"]
 
@@ -143,6 +143,8 @@ class Syncer:
         todo = [t for t in tables if t.key not in done]
         if not todo and not fresh:
             log.info("all %d published tables are already copied for slot %r", len(tables), self.slot)
+            if settings.create_tables:
+                complete_constraints(settings, tables)
             return
         ours = frozenset(k for k, s in states.items() if s.state == "copying")
         copy_round(settings, engine, CopyRound(self.slot, todo, fresh, ours), self.stop_requested)

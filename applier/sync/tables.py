@@ -6,7 +6,8 @@ Owns one copy round: the target tables made ready (created from the source's def
 holds nothing but this slot's own rows (or ``--truncate-target``), the tables marked as copying
 and emptied in one target transaction, the snapshot taken (the slot itself when it is created
 now, else a temporary slot whose consistent point is the copy's sync LSN), the copy in parallel
-sessions, each table marked done with that LSN in the transaction of its last rows. A round can
+sessions, each table marked done with that LSN in the transaction of its last rows, and, with
+``--create-tables``, the CHECK and foreign key constraints once every table's data is in. A round can
 be opened (tables emptied, snapshot taken) and copied later (``open_round``), so the worker knows
 the sync LSN before it lets the copy run beside its stream. Must never stream changes or decide
 which tables need a copy.
@@ -34,12 +35,20 @@ from .copy import copy_tables, plan_tasks
 from .progress import CopyProgress
 from .relay import accelerated
 from .snapshot import ExportedSnapshot, source_session, temporary_slot_name
-from .target import TargetCheckError, TargetPlan, is_empty, prepare_targets, target_session
+from .target import (
+    TargetCheckError,
+    TargetPlan,
+    add_constraints,
+    definitions,
+    is_empty,
+    prepare_targets,
+    target_session,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-__all__ = ["CopyRound", "OpenRound", "copy_round", "open_round"]
+__all__ = ["CopyRound", "OpenRound", "complete_constraints", "copy_round", "open_round"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +112,12 @@ class OpenRound:
                           interval=settings.progress_interval) as progress:
             copy_tables(source_dsn, target_dsn, self.round.slot, self.snapshot, tasks, settings.jobs,
                         progress, self.encoding, stop, tick)
+        if any(plan.definition is not None for plan in self.plans):
+            target = target_session(target_dsn, "applier copy")
+            try:  # every table's data is in: foreign keys find theirs
+                add_constraints(target, self.plans)
+            finally:
+                target.close()
 
     def close(self) -> None:
         self.snapshot.close()
@@ -144,6 +159,18 @@ def open_round(settings: Settings, engine: Engine, round_: CopyRound) -> OpenRou
             raise
         return OpenRound(settings, round_, plans, snapshot, block_size, encoding,
                          accelerated(control))
+    finally:
+        control.close()
+        target.close()
+
+
+def complete_constraints(settings: Settings, tables: list[PublishedTable]) -> None:
+    """With ``--create-tables``, the CHECK and foreign key constraints of tables copied before
+    (by a round that ended before it added them): what is missing is added."""
+    target = target_session(settings.required("target"), "applier copy")
+    control = source_session(settings.required("source"), "UTF8", "applier copy control")
+    try:
+        add_constraints(target, definitions(control, tables))
     finally:
         control.close()
         target.close()

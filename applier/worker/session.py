@@ -27,6 +27,7 @@ from ..apply.build import ApplyOptions, main_applier, second_applier
 from ..apply.dispatch import Applier
 from ..apply.fastpath import BatchLimits
 from ..apply.mapping import Reflector
+from ..apply.source_catalog import SourceCatalog
 from ..apply.streaming import StreamingApply
 from ..apply.target import TargetSession
 from ..assembler import Assembler
@@ -117,6 +118,7 @@ class ReplicationSession:
         loop: StreamLoop | None = None
         requests: Requests | None = None
         reflector = Reflector(settings.required("target"))
+        catalog = SourceCatalog(settings.required("source"))
         try:
             records = self._records()
             slot_two_phase = self._check_source(control, records)
@@ -143,8 +145,9 @@ class ReplicationSession:
                 loop.committed(end_lsn, target_lsn)
 
             applier = self._applier(target, options, reflector, on_commit,
-                                    lambda msg: publications.relation(msg.namespace, msg.name, msg.relation_id),
-                                    feeds)
+                                    lambda msg: publications.relation(msg.namespace, msg.name,
+                                                                      msg.relation_id),
+                                    feeds, catalog)
             applied = applier.tx.applied
             # Nothing else writes the position while this worker holds the slot's lock.
             assert applied.end_lsn == records.start_lsn, (applied, records)
@@ -205,7 +208,7 @@ class ReplicationSession:
             if applier is not None:
                 final = applier
                 steps.append(lambda: log.info("%s", summary(final)))
-            steps += [target.close, control.close, reflector.close]
+            steps += [target.close, control.close, reflector.close, catalog.close]
             for step in steps:
                 try:
                     step()
@@ -213,11 +216,10 @@ class ReplicationSession:
                     log.debug("cleanup step %s failed: %s", getattr(step, "__qualname__", step), exc)
 
     def describe(self, exc: BaseException) -> str:
-        """``exc`` for the operator: where the worker stopped, and how to skip the transaction."""
-        where = f"slot {self.slot!r}"
-        if self.stream is not None:
-            where += f", last received source LSN {self.stream.received_lsn}"
-        text = f"{exc} ({where})"
+        """``exc`` for the operator: the slot, and how to skip the transaction. The last
+        received source LSN is the log line's (``received_lsn``): named here, before the
+        transaction's LSN, it would be taken for the one to skip."""
+        text = f"{exc} (slot {self.slot!r})"
         if isinstance(exc, ApplyError) and exc.commit_lsn is not None:
             text += (f". If this source transaction must not be applied, skip it: applier skip "
                      f"--target <target DSN> --slot {self.slot} --lsn {exc.commit_lsn} (or start "
@@ -255,7 +257,7 @@ class ReplicationSession:
     def _applier(self, target: TargetSession, options: StreamOptions, reflector: Reflector,
                  on_commit: Callable[[LSN, LSN | None], None],
                  on_relation: Callable[[Relation], None],
-                 feeds: dict[TableName, ChangeTable]) -> Applier:
+                 feeds: dict[TableName, ChangeTable], catalog: SourceCatalog) -> Applier:
         settings, state = self.settings, self.state
         limits = BatchLimits(settings.batch_rows,
                              min(settings.batch_bytes, settings.memory_budget // 2),
@@ -268,7 +270,7 @@ class ReplicationSession:
             replication_origin=settings.replication_origin, skip_origins=settings.skip_origin,
             message_sink=settings.message_sink, message_prefixes=settings.message_prefix,
             conflict_policy=settings.conflict_policy,
-            follow_schema=settings.schema_changes == "follow",
+            follow_schema=settings.schema_changes == "follow", source=catalog,
             feeds=feeds, feed_interval=settings.change_feed_retention / 7)
         try:
             return main_applier(target, apply_options, reflector, on_commit,

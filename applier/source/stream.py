@@ -44,8 +44,9 @@ _KEEPALIVE = struct.Struct(">QQB")
 _STATUS = struct.Struct(">cQQQQB")
 #: A confirmed position that moved is reported after this many seconds at most (the full status
 #: interval applies only when nothing moved): the slot releases WAL, and its confirmed position
-#: (what operators watch) follows the apply closely, as with PostgreSQL's own subscriber.
-PROGRESS_REPORT_INTERVAL = 1.0
+#: (what operators watch, and what a catch-up waits for) follows the apply closely, as with
+#: PostgreSQL's own subscriber, which reports every move. A status update is a few dozen bytes.
+PROGRESS_REPORT_INTERVAL = 0.1
 #: Seconds without anything from the server after which the stream is taken for dead (half of it
 #: without anything: a reply is asked for). PostgreSQL's wal_receiver_timeout defaults to this.
 RECEIVE_TIMEOUT = 60.0

@@ -139,6 +139,9 @@ class StreamLoop:
                     confirmed = unflushed.all_durable()
                     if confirmed is not None:
                         stream.confirm(confirmed)
+                        # The stream is quiet: tell the slot now rather than at the next status
+                        # update (a second later at most), as PostgreSQL's subscriber does.
+                        stream.send_status()
                 else:
                     self._rewrite_failed_for = latest.source_end
             if unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
@@ -157,6 +160,7 @@ class StreamLoop:
                 # durable, so the position it last reported having sent is safe to confirm too.
                 if stream.keepalive_wal_end > stream.flush_lsn:
                     stream.confirm(stream.keepalive_wal_end)
+                    stream.send_status_if_due()
                 elif caught_up is not None and stream.flush_lsn < caught_up.goal:
                     # Ask for a keepalive: its WAL end tells us when nothing more is coming.
                     stream.send_status(reply_requested=True)

@@ -19,7 +19,7 @@ import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import __version__
 from .config import ConfigError, Option, Settings, load_settings, options_for
@@ -36,10 +36,13 @@ COMMANDS: dict[str, str] = {
             "then stream as run does.",
     "peek": "Print the decoded messages waiting in a slot as JSON lines, without consuming them.",
     "status": "Show a slot and its replica: slot state, WAL retained, last applied transaction, "
-              "lag, prepared transactions, spill; exit non-zero when the slot is missing or lag "
-              "exceeds --max-lag.",
-    "verify": "Compare source and replica table by table: counts, per-range hashes, then exactly "
-              "which keys differ.",
+              "lag, prepared transactions, spill, readiness for a failover of the source; exit "
+              "non-zero when the slot is missing, lag exceeds --max-lag or a --standby is not ready.",
+    "verify": "Compare source and replica table by table, at one source position while the worker "
+              "runs: counts, per-range hashes, then exactly which keys differ; --repair makes "
+              "them equal.",
+    "resync": "Have the worker copy published tables again from a snapshot (emptied first) while "
+              "it streams the others; the next run does it first when no worker runs.",
     "pipeline": "Example PySpark job: a consistent per-group aggregate of a replicated table to "
                 "Parquet, tagged with the source LSN.",
     "demo": "Try it in one command: two throwaway servers, a workload, streaming, verification.",
@@ -50,18 +53,21 @@ COMMANDS: dict[str, str] = {
                  "never moves a target sequence backwards.",
     "cutover": "Once writes to the source have stopped: wait until the replica has applied "
                "everything, set the sequences, check that no prepared transaction or table copy "
-               "is pending, compare the tables, and say whether the target is a safe replacement.",
-    "drop": "Retire a replica: remove its slot on the source, its replication origin, "
-            "bookkeeping rows and pending prepared transactions on the target, and its spill "
-            "files. Refused while a worker holds the slot; safe to run twice.",
+               "is pending, compare the tables' schemas and rows, weigh skipped transactions "
+               "and conflicts, and say whether the target is a safe replacement.",
+    "drop": "Retire a replica: remove its slot on the source, its replication origin, change "
+            "feed, bookkeeping rows and pending prepared transactions on the target, and its "
+            "spill files. Refused while a worker holds the slot; safe to run twice.",
 }
 
 #: What the CHECK exit status means, for the commands that check something.
 _CHECKS: dict[str, str] = {
-    "status": "the slot is missing or the lag exceeds --max-lag",
-    "verify": "the tables differ",
+    "status": "the slot is missing, the lag exceeds --max-lag, or a --standby could not take over "
+              "the replica",
+    "verify": "the tables differ (with --repair: some difference could not be repaired)",
     "demo": "the target differs from the source",
-    "cutover": "the target is not (yet) a safe replacement: each failed check says what to do",
+    "cutover": "the target is not (yet) a safe replacement, or not confirmed one: each failed "
+               "check says what to do",
 }
 
 #: Where each command's entry point lives (``run`` is below), imported once it is chosen.
@@ -71,6 +77,7 @@ _RUNNERS: dict[str, tuple[str, str]] = {
     "skip": ("applier.skip", "run_skip"),
     "status": ("applier.ops.status", "status"),
     "verify": ("applier.verify", "run_verify"),
+    "resync": ("applier.repair.resync", "run_resync"),
     "pipeline": ("applier.spark.pipeline", "run_pipeline"),
     "demo": ("applier.demo", "run_demo"),
     "sequences": ("applier.lifecycle.sequences", "run_sequences"),
@@ -93,6 +100,15 @@ class _Formatter(argparse.HelpFormatter):
                          for line in text.splitlines())
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage gets the one line that says what is wrong, and where the rest is explained,
+    not the whole usage block before it (exit status 2, as argparse's own)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message}\n"
+                                  f"(see {self.prog} --help for every option)\n")
+
+
 def _help(option: Option) -> str:
     text = option.help
     if option.default_text is not None:
@@ -110,9 +126,12 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
             parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **common)
         elif {"on", "off"} <= set(option.choices):
             # Once a boolean (--binary): the bare flag still means on, and --no-... off.
-            parser.add_argument(option.flag, choices=option.choices, nargs="?", const="on", **common)
+            parser.add_argument(option.flag, choices=option.choices, nargs="?", const="on",
+                                type=option.choice, **common)
             parser.add_argument("--no-" + option.flag[2:], dest=option.name, action="store_const",
                                 const="off", help=argparse.SUPPRESS)
+        elif option.choices and option.kind == "choice":  # in any case: --log-level debug
+            parser.add_argument(option.flag, choices=option.choices, type=option.choice, **common)
         elif option.choices:
             parser.add_argument(option.flag, choices=option.choices, **common)
         else:
@@ -121,7 +140,7 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="applier", formatter_class=_Formatter,
         description="PostgreSQL logical-replication replica applier: reads a pgoutput slot "
                     "(protocol 1-4) and applies each source transaction exactly once to a target "

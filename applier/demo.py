@@ -1,15 +1,18 @@
 """``applier demo``: the whole product on two throwaway servers, in one command.
 
 Starts a source and a target PostgreSQL from the binaries the project installs, creates a small
-shop schema on both and a few thousand rows on the source, runs ``applier sync`` (slot, snapshot
-copy, then streaming, with two-phase decoding) while a workload writes (small transactions, a
-large transaction the server streams in progress, a two-phase transaction, rows deleted and
-updated),
-shows progress and lag live, then ends the replica's life as a migration does: ``applier cutover``
-(the worker caught up, sequences set, nothing pending, every table compared in full) while the
-worker still runs, then stops the worker and retires the replica with ``applier drop``; prints a
-summary and removes the servers (``--keep`` leaves them running and prints their connection
-strings).
+shop schema (identity, serial, CHECK and foreign key constraints, an index) and a few thousand
+rows on the source, runs ``applier sync --create-tables`` (the target's tables made with the
+source's definition, slot, snapshot copy, then streaming, with two-phase decoding) while a
+workload writes (small transactions, a large transaction the server streams in progress, a
+two-phase transaction, rows deleted and updated, and schema changes: a column added with a
+default, a type widened), shows progress and lag live, damages the target and finds and repairs
+it while the worker runs (``applier verify``, ``verify --repair``, ``verify`` again), then ends
+the replica's life as a migration does: ``applier cutover`` with its default checks (the worker
+caught up, sequences set, nothing pending, schemas compared, every row compared by hash, skips
+and conflicts weighed) while the worker still runs, then stops the worker and retires the
+replica with ``applier drop``; prints a summary and removes the servers (``--keep`` leaves them
+running and prints their connection strings).
 Must never touch a server it did not start.
 """
 
@@ -19,21 +22,30 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import psycopg
 
 from .config import Settings
-from .embedded import ServerSettings, start_server
+from .embedded import Database, ServerSettings, start_server
 from .exit_codes import ExitCode
 
 DEMO_GID = "demo-order-batch"
 SCHEMA = """
-CREATE TABLE customers (id int PRIMARY KEY, name text NOT NULL, email text, created timestamptz DEFAULT now());
-CREATE TABLE products (sku text PRIMARY KEY, title text, price numeric(10,2), tags text[]);
-CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int NOT NULL, sku text NOT NULL,
-                     qty int NOT NULL, total numeric(12,2), note jsonb);
-CREATE TABLE reviews (id serial PRIMARY KEY, sku text NOT NULL, stars int NOT NULL);
+CREATE TABLE customers (id int GENERATED ALWAYS AS IDENTITY PRIMARY KEY, name text NOT NULL,
+                        email text, created timestamptz DEFAULT now());
+CREATE TABLE products (sku text PRIMARY KEY, title text, price numeric(10,2) CHECK (price >= 0),
+                       tags text[]);
+CREATE TABLE orders (id bigint PRIMARY KEY, customer_id int NOT NULL REFERENCES customers,
+                     sku text NOT NULL REFERENCES products, qty int NOT NULL CHECK (qty > 0),
+                     total numeric(12,2), note jsonb);
+CREATE INDEX orders_by_customer ON orders (customer_id);
+CREATE TABLE reviews (id serial PRIMARY KEY, sku text NOT NULL, stars int NOT NULL
+                      CHECK (stars BETWEEN 1 AND 5));
 """
+#: Made on the source while the worker streams: the worker follows them on the target.
+SCHEMA_CHANGES = ("ALTER TABLE customers ADD COLUMN vip boolean NOT NULL DEFAULT false",
+                  "ALTER TABLE orders ALTER COLUMN qty TYPE bigint")
 
 
 def _workload_step(conn: psycopg.Connection, rng: random.Random, next_order: list[int],
@@ -86,6 +98,27 @@ def _lag(source: psycopg.Connection) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
+def _damage_and_repair(say: Callable[[str], None], target: Database, verify: list[str]) -> bool:
+    """Damage the replica while the worker runs, find it (applier verify), repair it (verify
+    --repair) and verify again; True when the last verify found the tables equal."""
+    say("  damage on the target: a review deleted, a product's price changed, an order added ...")
+    target.execute("DELETE FROM reviews WHERE id = 7")  # no row references it
+    target.execute("UPDATE products SET price = 0 WHERE sku = 'sku-3'")
+    target.execute("INSERT INTO orders VALUES (-1, 1, 'sku-1', 1, 0, NULL)")
+    equal = False
+    for label, extra in (("applier verify: both sides at one source position the worker holds at",
+                          []),
+                         ("applier verify --repair: those rows as the source has them", ["--repair"]),
+                         ("applier verify again", [])):
+        say(f"  {label} ...")
+        done = subprocess.run([*verify, *extra], capture_output=True, text=True)
+        for line in (done.stdout + done.stderr).splitlines():
+            if not (line.startswith("public.") and line.endswith(" equal")):  # the differing only
+                say(f"    {line}")
+        equal = done.returncode == ExitCode.OK and done.stdout.rstrip().endswith("EQUAL")
+    return equal
+
+
 def run_demo(settings: Settings) -> int:
     """``applier demo``: OK when the target equals the source at the end, else CHECK."""
     say = lambda text: print(text, flush=True)  # noqa: E731
@@ -97,18 +130,19 @@ def run_demo(settings: Settings) -> int:
     try:
         source_db = source_server.create_database("shop")
         target_db = target_server.create_database("shop")
-        for db in (source_db, target_db):
-            db.execute(SCHEMA)
+        source_db.execute(SCHEMA)
         source_db.execute("CREATE PUBLICATION demo_pub FOR TABLE customers, products, orders, reviews")
         with source_db.connect() as conn:
-            conn.execute("INSERT INTO customers (id, name) SELECT g, 'customer ' || g FROM generate_series(1, 2000) g")
+            conn.execute("INSERT INTO customers (name) SELECT 'customer ' || g FROM generate_series(1, 2000) g")
             conn.execute("INSERT INTO products SELECT 'sku-' || g, 'product ' || g, g * 1.25, "
                          "ARRAY['tag' || (g % 5), 'sale'] FROM generate_series(0, 199) g")
-        say("  schema, publication demo_pub and 2,200 rows on the source; starting applier sync "
-            "(slot, snapshot copy, then streaming) while the workload writes ...")
+        say("  schema, publication demo_pub and 2,200 rows on the source, an empty target; "
+            "starting applier sync --create-tables (tables, slot, snapshot copy, then streaming) "
+            "while the workload writes ...")
         worker = subprocess.Popen([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
                                    "--target", target_db.dsn, "--slot", "demo", "--publication",
-                                   "demo_pub", "--jobs", "2", "--two-phase", "--log-level", "WARNING"])
+                                   "demo_pub", "--jobs", "2", "--two-phase", "--create-tables",
+                                   "--log-level", "WARNING"])
         rng = random.Random(42)
         next_order = [1]
         rows = 2200
@@ -116,7 +150,7 @@ def run_demo(settings: Settings) -> int:
         max_lag = 0
         started = time.monotonic()
         last_report = started
-        bulk_done = committed = False
+        bulk_done = committed = altered = False
         prepared_at: float | None = None
         with source_db.connect() as writer, source_db.connect() as watcher:
             while time.monotonic() - started < seconds:
@@ -133,6 +167,14 @@ def run_demo(settings: Settings) -> int:
                     committed = True
                     say(f"  {elapsed_now:5.1f}s  COMMIT PREPARED {DEMO_GID!r} after "
                         f"{elapsed_now - prepared_at:.1f}s pending")
+                elif committed and not altered and elapsed_now > seconds * 5 / 6:
+                    # After the prepared transaction, whose locks the type change would wait for.
+                    for statement in SCHEMA_CHANGES:
+                        writer.execute(statement)
+                    writer.execute("UPDATE customers SET vip = true WHERE id % 10 = 0")
+                    altered = True
+                    say(f"  {elapsed_now:5.1f}s  schema changes on the source: "
+                        + "; ".join(SCHEMA_CHANGES))
                 rows += _workload_step(writer, rng, next_order, bulk)
                 transactions += 1
                 time.sleep(0.004)  # a steady OLTP trickle of about 200 transactions/s
@@ -152,11 +194,12 @@ def run_demo(settings: Settings) -> int:
         elapsed = time.monotonic() - started
         applier = [sys.executable, "-m", "applier"]
         servers = ["--source", source_db.dsn, "--target", target_db.dsn, "--slot", "demo"]
+        repaired = _damage_and_repair(say, target_db, [*applier, "verify", *servers, "--publication",
+                                                       "demo_pub", "--max-keys", "3"])
         say("  applier cutover: writes have stopped; caught up? sequences, prepared transactions, "
-            "every table compared in full ...")
+            "schemas, every row compared, skips and conflicts ...")
         cutover = subprocess.run([*applier, "cutover", *servers, "--publication", "demo_pub",
-                                  "--verify", "full", "--timeout", "2min"],
-                                 capture_output=True, text=True)
+                                  "--timeout", "2min"], capture_output=True, text=True)
         for line in (cutover.stdout + cutover.stderr).splitlines():
             say(f"    {line}")
         safe = cutover.returncode == ExitCode.OK
@@ -169,12 +212,13 @@ def run_demo(settings: Settings) -> int:
         dropped = drop.returncode == ExitCode.OK
         say(f"summary: {transactions} source transactions, {rows} row changes in {elapsed:.1f}s "
             f"({rows / elapsed:,.0f} rows/s written and replicated), peak slot lag "
-            f"{max_lag / 1024:.1f} kB, target {'equals' if safe else 'DIFFERS FROM'} source"
+            f"{max_lag / 1024:.1f} kB, damage {'found and repaired' if repaired else 'NOT repaired'}, "
+            f"target {'equals' if safe else 'DIFFERS FROM'} source"
             + ("" if safe else " (see the cutover report)")
             + (", replica retired" if dropped else "; the drop FAILED"))
         if settings.keep:
             say(f"servers kept running:\n  source: {source_db.dsn}\n  target: {target_db.dsn}")
-        return ExitCode.OK if safe and dropped else ExitCode.CHECK
+        return ExitCode.OK if safe and dropped and repaired else ExitCode.CHECK
     finally:
         if worker is not None and worker.poll() is None:
             worker.kill()

@@ -1,4 +1,5 @@
-"""Named failure points for crash tests: make the worker die at one, as a power cut would.
+"""Named failure points for crash tests: make the worker (or ``verify --repair``) die at one, as a
+power cut would.
 
 ``APPLIER_FAULT=<point>[:<n>]`` in the worker's environment makes it SIGKILL itself the n-th time
 (default: the first) it reaches ``<point>``. Unset, ``hit`` is one comparison. The points sit
@@ -34,6 +35,14 @@ class FailPoint(StrEnum):
     TWO_PHASE_CHANGE = "two_phase_change"
     #: A skipped transaction recorded, the source not yet told.
     AFTER_SKIP = "after_skip"
+    #: The worker answered that it holds at a verify's position (the command reads the target).
+    AFTER_HOLD_ACK = "after_hold_ack"
+    #: A table to copy again beside the stream is emptied and its snapshot taken, not copied yet.
+    RESYNC_COPYING = "resync_copying"
+    #: verify --repair: the worker holds at the repair's position, nothing written yet.
+    REPAIR_HELD = "repair_held"
+    #: verify --repair: the repaired rows committed, the worker not yet let go.
+    AFTER_REPAIR = "after_repair"
 
 
 _point, _, _count = os.environ.get("APPLIER_FAULT", "").partition(":")

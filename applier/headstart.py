@@ -42,12 +42,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HeadStart:
-    """A stream started early from ``start_lsn``, for a target in ``encoding``, until taken."""
+    """A stream started early from ``start_lsn``, for a target in ``encoding``, until taken; the
+    server it reached and its WAL position then are in ``stream.lineage``."""
 
     stream: ReplicationStream | None
     start_lsn: LSN
     encoding: str
-    source_position: LSN  # the source's WAL flush position just before the stream started
     received_ahead: int = 0  # bytes the read-ahead thread received
     _reader: threading.Thread | None = field(default=None, repr=False)
     _wake: tuple[int, int] | None = field(default=None, repr=False)
@@ -125,7 +125,10 @@ def start_early(settings: Settings) -> HeadStart | None:
         stream = ReplicationStream(settings.required("source"), slot, options,
                                    status_interval=settings.status_interval, client_encoding=encoding)
         stream.connect()
-        source_position = stream.identify_system()[2]
+        # The worker checks this server against the target's records before it takes the
+        # stream (worker.session), and that must be read before START_REPLICATION; with it the
+        # source's WAL position, the goal of --exit-when-caught-up.
+        stream.read_lineage()
         stream.start(start_lsn, wait_for_slot=False)
     except (psycopg.Error, SourceError, UnsupportedOption) as exc:
         log.debug("no head start: %s", str(exc).strip())
@@ -133,6 +136,6 @@ def start_early(settings: Settings) -> HeadStart | None:
             stream.close()
         return None
     log.debug("stream started from %s before the worker loaded", start_lsn)
-    head_start = HeadStart(stream, start_lsn, encoding, source_position)
+    head_start = HeadStart(stream, start_lsn, encoding)
     head_start.read_ahead(settings.memory_budget // 4)
     return head_start

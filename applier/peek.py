@@ -14,7 +14,8 @@ Output: one JSON object per line on stdout, in the order the server sent the mes
      "new_tuple": [{"kind": "t", "value": "1"}, {"kind": "n", "value": null}]}
 
 * ``lsn`` -- ``X/XXXXXXXX``: the XLogData start position (replication protocol) or the row's
-  ``lsn`` (SQL interface).
+  ``lsn`` (SQL interface); ``null`` where the walsender sends none (0/0: a ``relation`` or
+  ``type`` message written ahead of the change that needs it).
 * ``type`` -- the message's snake_case name: ``begin``, ``commit``, ``origin``, ``relation``,
   ``type``, ``insert``, ``update``, ``delete``, ``truncate``, ``message``, ``stream_start``,
   ``stream_stop``, ``stream_commit``, ``stream_abort``, ``begin_prepare``, ``prepare``,
@@ -42,8 +43,9 @@ Output: one JSON object per line on stdout, in the order the server sent the mes
   - ``stream_start``: ``xid``, ``first_segment``; ``stream_abort``: ``xid``, ``subxid``
     (equal to ``xid`` when the whole transaction aborted).
 
-Stops after ``--limit`` messages or ``--timeout`` seconds without a new one (replication
-protocol); the SQL interface returns what the slot holds at once. Exit status 0 on success; 1 with
+Stops after ``--limit`` messages (0: none, once the slot, publications and options are
+checked) or ``--timeout`` seconds without a new one (replication protocol); the SQL interface
+returns what the slot holds at once. Exit status 0 on success; 1 with
 one line on stderr when the slot or a publication is missing, another consumer (a worker) holds
 the slot, the server cannot honour an option, the connection fails or a message cannot be decoded.
 """
@@ -135,7 +137,9 @@ def _one_line(exc: BaseException, dsn: str) -> str:
 # -- reading the slot -----------------------------------------------------------------------------
 
 def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
-    """Check the slot, publications and options, then yield (lsn, message) from the slot."""
+    """Check the slot (there, a pgoutput slot of this database, free), the publications and the
+    options, at once (also for ``--limit 0``); then the (lsn, message) pairs of the slot, read
+    as they are asked for."""
     try:
         conn = connect(settings.required("source"), autocommit=True)
     except psycopg.Error as exc:
@@ -157,10 +161,15 @@ def _messages(settings: Settings) -> Generator[tuple[LSN, ReplicationMessage], N
             raise PeekError(f"slot {settings.slot!r} was created without two_phase; decoding it "
                             "with two_phase would switch the slot to two-phase for good, and peek "
                             "never alters a slot (leave --two-phase off)")
+        if settings.limit == 0:
+            return _nothing()
         if settings.sql:
-            yield from _peek_sql(conn, settings.required("slot"), options, settings.limit)
-            return
-    yield from _peek_replication(settings, slot, options)
+            return _decoded(_peek_sql(conn, settings.required("slot"), options, settings.limit))
+    return _peek_replication(settings, slot, options)
+
+
+def _nothing() -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+    yield from ()
 
 
 def _slot(conn: psycopg.Connection[Any], name: str) -> SlotInfo:
@@ -207,15 +216,19 @@ def sql_options(options: StreamOptions) -> list[str]:
 
 
 def _peek_sql(conn: psycopg.Connection[Any], slot: str, options: StreamOptions,
-              limit: int | None) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
+              limit: int | None) -> list[tuple[str, bytes]]:
+    """The slot's (lsn, data) rows, read now (before the connection closes)."""
     # upto_nchanges stops decoding at the end of the transaction that reaches the limit, so the
     # server does not decode the whole slot only for us to print the first few rows.
     try:
-        rows = conn.execute(
+        return conn.execute(
             "SELECT lsn::text, data FROM pg_catalog.pg_logical_slot_peek_binary_changes("
             "%s, NULL, %s, VARIADIC %s::text[])", (slot, limit, sql_options(options))).fetchall()
     except psycopg.Error as exc:
         raise PeekError(f"source: {exc}") from None
+
+
+def _decoded(rows: list[tuple[str, bytes]]) -> Generator[tuple[LSN, ReplicationMessage], None, None]:
     in_stream = False
     for lsn, data in rows:
         message = decode(data, in_stream)
@@ -256,7 +269,9 @@ def _in_stream_after(message: ReplicationMessage, in_stream: bool) -> bool:
 
 def message_to_json(lsn: LSN, message: ReplicationMessage) -> dict[str, Any]:
     """One message as the JSON object described in this module's docstring."""
-    obj: dict[str, Any] = {"lsn": str(lsn), "type": message.type_name}
+    # The walsender sends position 0/0 with a message it writes ahead of another (a Relation
+    # before the row change that needs it): no position, rather than a false one.
+    obj: dict[str, Any] = {"lsn": str(lsn) if lsn else None, "type": message.type_name}
     obj.update(_object_fields(message))
     return obj
 

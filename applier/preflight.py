@@ -31,11 +31,14 @@ import psycopg
 from psycopg import sql
 
 from . import connections
+from .config import ConfigError
 from .errors import ApplierError, Cause, Directive, decide
 from .lifecycle.sequences import published_sequences
 from .lifecycle.servers import LifecycleError
 from .progress.bookkeeping import SqlBookkeeping
 from .quoting import ident
+from .source.options import UnsupportedOption
+from .source.slots import failover_slot as choose_failover
 from .source.slots import publications_missing, slot_info
 from .sync.catalog import CatalogError, PublishedTable, published_tables
 
@@ -293,9 +296,12 @@ def check_sequences(source: psycopg.Connection[Any], target: psycopg.Connection[
 
 
 def check_start(source: str, target: str, *, slot: str, publications: Sequence[str],
-                create_tables: bool, copy: bool) -> list[str]:
+                create_tables: bool, copy: bool, failover_slot: bool | None = None,
+                two_phase: bool = False) -> list[str]:
     """Every problem ``applier sync`` (``copy``) or ``applier run --create-slot`` would meet,
-    from the DSNs ``source`` and ``target``.
+    from the DSNs ``source`` and ``target``. A slot they would create as a failover slot when
+    the source cannot have one (``--failover-slot`` on PostgreSQL 16, say) is a usage error:
+    ``ConfigError``, as every option the source's version cannot honour is.
 
     A failure retrying may cure (a refused connection) is raised as the psycopg error.
     """
@@ -308,6 +314,11 @@ def check_start(source: str, target: str, *, slot: str, publications: Sequence[s
         if source_conn is not None:
             problems.extend(check_source(source_conn, slot=slot, publications=publications,
                                          create_slot=True))
+            if slot_info(source_conn, slot) is None:
+                try:
+                    choose_failover(failover_slot, source_conn.info.server_version, two_phase)
+                except UnsupportedOption as exc:
+                    raise ConfigError(str(exc)) from None
             try:
                 tables = published_tables(source_conn, list(publications))
             except CatalogError as exc:

@@ -29,6 +29,7 @@ from .handlers import build_handlers, tag_with_origin
 from .lane import core
 from .mapping import TargetTable
 from .relations import RelationCache
+from .schema import ColumnSource
 from .streaming import LOCK_TIMEOUT
 from .sync_filter import SyncFilter
 from .target import TargetSession
@@ -53,6 +54,9 @@ class ApplyOptions:
     message_prefixes: Sequence[str] = ()
     conflict_policy: Sequence[str] = ()
     follow_schema: bool = True
+    #: The source's catalog, which says what the rows of a table hold in a column the source
+    #: added (None: NULL, as without a default).
+    source: ColumnSource | None = None
     #: The change feed: the change table of each recorded table, and the seconds of WAL a new
     #: partition is sized for.
     feeds: dict[tuple[str, str], ChangeTable] = field(default_factory=dict)
@@ -65,6 +69,9 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                  on_relation: Callable[[Relation], None] | None = None) -> Applier:
     """The applier of the worker's main target session. Raises ValueError for a setting the
     target cannot honour, ``SyncIncomplete`` while an initial copy is unfinished."""
+    # Tables copied by applier sync: their changes from before each copy's LSN are in it. Read
+    # before the origin is created: a start refused for an unfinished copy creates nothing.
+    sync_filter = SyncFilter(PostgresApplyStore(session, options.slot).table_sync_lsns())
     tag, info = tag_with_origin(session, options.slot, options.replication_origin, warn)
     store = PostgresApplyStore(session, options.slot,
                                origin_xact_setup=tag.name is not None and tag.xact_setup)
@@ -78,12 +85,11 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                               skip_origins=options.skip_origins, message_sink=options.message_sink,
                               message_prefixes=options.message_prefixes,
                               conflict_policy=options.conflict_policy)
-    # Tables copied by applier sync: their changes from before each copy's LSN are in it.
-    sync_filter = SyncFilter(store.table_sync_lsns())
     return Applier(tx, RelationCache(reflect, binary_check=options.binary_check, feeds=options.feeds),
                    handlers,
                    limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,
-                   follow_schema=options.follow_schema, on_relation=on_relation)
+                   follow_schema=options.follow_schema, source=options.source,
+                   on_relation=on_relation)
 
 
 def second_applier(main: Applier, session: TargetSession,
@@ -115,4 +121,6 @@ def second_applier(main: Applier, session: TargetSession,
                                      feeds=main.relations.feeds),
                    main.handlers.for_second_session(tx),
                    limits=BatchLimits(sys.maxsize, main.fast.limits.bytes, math.inf),
-                   follow_schema=main.mappings.schema is not None, on_relation=main.on_relation)
+                   follow_schema=main.mappings.schema is not None,
+                   source=main.mappings.schema.source if main.mappings.schema else None,
+                   on_relation=main.on_relation)

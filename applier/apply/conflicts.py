@@ -146,7 +146,7 @@ class ConflictHandler:
                 new: TupleData | None, old: TupleData | None, key_source: int,
                 key_positions: tuple[int, ...], by_key: bool, *, local: bool) -> None:
         table_name = mapping.table.sql_name
-        self.counts[(table_name, kind)] += 1
+        self.counts[(mapping.table.display, kind)] += 1  # a metrics label: public.t, unquoted
         if kind in ("update_missing", "delete_missing"):
             resolution = "error" if policy == "error" else "skipped"
         else:

@@ -48,15 +48,20 @@ from .lane_seat import LaneSeat
 from .mapping import MappingError, RelationMapping
 from .mappings import TableMappings
 from .relations import RelationCache
+from .schema import ColumnSource
 from .skipping import Skipper
 from .statements import truncate_sql
 from .sync_filter import SyncFilter
 from .transaction import TargetTransaction
 from .twophase import TwoPhase
 
-__all__ = ["Applier"]
+__all__ = ["NO_HOLD", "Applier"]
 
 log = logging.getLogger(__name__)
+
+#: ``Applier.hold_before`` when no hold is asked for: past every LSN (the early session's unknown
+#: commit LSN, 2**64 - 1, included).
+NO_HOLD = LSN(2**64)
 
 _ALREADY_APPLIED = Discard("already applied")
 _SKIPPED_ORIGIN = Discard("from a skipped origin")
@@ -66,11 +71,12 @@ class Applier:
     def __init__(self, tx: TargetTransaction, relations: RelationCache, handlers: Handlers, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
                  sync_filter: SyncFilter | None = None, follow_schema: bool = False,
+                 source: ColumnSource | None = None,
                  on_relation: Callable[[Relation], None] | None = None) -> None:
         self.tx = tx
         self.relations = relations
         self.handlers = handlers
-        self.mappings = TableMappings(tx, relations, follow_schema=follow_schema)
+        self.mappings = TableMappings(tx, relations, follow_schema=follow_schema, source=source)
         #: A relation's mapping onto its target table (``TableMappings.mapping``), per row change.
         self.mapping = self.mappings.mapping
         self._schema_changes = tx.schema_changes  # how this session makes them, outside 2PC
@@ -85,6 +91,12 @@ class Applier:
         #: met a conflict or an error there).
         self.careful_until = careful_until
         self.sync_filter = sync_filter
+        #: ``on_hold`` waits before the first source transaction committing at or after this
+        #: (a verify's position; LSN(0): the next one; NO_HOLD: none); ``on_copy_wait`` until a
+        #: copy running beside the stream moved on, when a change to its table must wait.
+        self.hold_before = NO_HOLD
+        self.on_hold: Callable[[LSN], None] | None = None
+        self.on_copy_wait: Callable[[], None] | None = None
         self._fast = False               # the current source transaction is on the fast path
         self._divert: Divert | None = None
         self._apply: dict[type, Callable[[Change], None]] = {
@@ -112,6 +124,10 @@ class Applier:
         return self._fast and self._divert is None
 
     @property
+    def hold_pending(self) -> bool:
+        return self.hold_before != NO_HOLD
+
+    @property
     def holds_uncommitted(self) -> bool:
         """Fast-path work is waiting for its commit (the worker flushes when the stream is idle)."""
         return self.fast is not None and self.fast.open
@@ -124,6 +140,12 @@ class Applier:
         """Commit what the fast path holds (see ``FastPath.commit``)."""
         if self.fast is not None:
             self.fast.commit()
+
+    def hold(self, lsn: LSN) -> None:
+        """A source transaction at ``lsn`` >= ``hold_before`` is next: commit, then wait."""
+        self.flush()
+        assert self.on_hold is not None
+        self.on_hold(lsn)
 
     def abort_open_transaction(self) -> None:
         """Roll back a transaction left open by an error, a lost source or a stop signal."""
@@ -169,6 +191,8 @@ class Applier:
                      txn.xid, txn.commit_lsn, tx.applied.commit_lsn)
             self._divert = _ALREADY_APPLIED
             return
+        if txn.commit_lsn >= self.hold_before:
+            self.hold(txn.commit_lsn)
         skips = self.handlers.skips
         if skips.lsn is not None:
             if skips.matches(txn.commit_lsn):
@@ -274,6 +298,8 @@ class Applier:
         # replayed on the careful path, in the target transaction that records its commit.
         self.flush()
         self._fast = False
+        if msg.commit_lsn >= self.hold_before:
+            self.hold(msg.commit_lsn)
         try:
             self._two_phase("commit_prepared").commit_prepared(self, msg)
         except (TargetError, MappingError) as exc:
@@ -319,7 +345,11 @@ class Applier:
         """Apply one change of the open transaction, whatever divert it has (a prepared
         transaction's divert applies its changes this way)."""
         sync_filter = self.sync_filter
-        if sync_filter is not None and sync_filter.skipped:
+        if sync_filter is not None and sync_filter.filtering:
+            while sync_filter.waits(msg, self.relations.get):
+                assert self.on_copy_wait is not None
+                self.on_copy_wait()
+                sync_filter.refresh()
             kept = sync_filter.kept(msg, self.relations.get)
             if kept is None:
                 return

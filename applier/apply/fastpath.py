@@ -46,6 +46,10 @@ PART_ROWS = 2000
 #: transactions (many small ones) parts of 10,000 made the drain slower: the worker then read the
 #: source in longer bursts, and the walsender spent more CPU.
 INSERT_PART_ROWS = 10_000
+#: The first batch of a session commits after at most this long (later ones after
+#: ``BatchLimits.seconds``): a worker started on a backlog shows its first rows on the target at
+#: once instead of after a whole batch, for the cost of one more commit.
+FIRST_BATCH_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class FastPath:
         self.open = False                 # a target transaction holds fast-path work
         self.last: TransactionEnd | None = None  # the last source transaction in the batch
         self._started = 0.0
+        self._seconds = min(limits.seconds, FIRST_BATCH_SECONDS)  # the open batch's time limit
         self._prepared: dict[tuple, bytes] = {}
         self._in_flight: Pipeline | None = None  # rows sent, results not read yet (settle)
         self._sent_rows = 0               # rows of the open target transaction sent ahead
@@ -118,7 +123,7 @@ class FastPath:
         self.last = txn
         limits = self.limits
         if (self._sent_rows + self.batch.rows >= limits.rows or self.batch.bytes >= limits.bytes
-                or time.monotonic() - self._started >= limits.seconds):
+                or time.monotonic() - self._started >= self._seconds):
             self.commit()
 
     def relation_changed(self, relation_id: int) -> None:
@@ -162,6 +167,7 @@ class FastPath:
             raise self._failed(exc, last) from exc
         finally:
             self._reset()
+        self._seconds = self.limits.seconds
         tx.committed(position, target_lsn[0] if target_lsn else None)
 
     def send_part(self) -> None:
@@ -329,5 +335,5 @@ class FastPath:
 
     def due(self) -> None:
         """After the lane's last commit, no transaction open: commit the batch if its time is up."""
-        if self.open and time.monotonic() - self._started >= self.limits.seconds:
+        if self.open and time.monotonic() - self._started >= self._seconds:
             self.commit()

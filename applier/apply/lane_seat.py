@@ -40,6 +40,10 @@ class SeatOwner(Protocol):
     careful_until: LSN
 
     @property
+    def hold_pending(self) -> bool:
+        """A hold is asked for: each transaction is decided on the ordinary path."""
+
+    @property
     def on_fast_path(self) -> bool:
         """The open source transaction is on the fast path, and nothing diverts its changes."""
 
@@ -61,7 +65,7 @@ class LaneSeat:
 
     def lane_room(self, whole: bool) -> LaneRoom | None:
         owner = self.owner
-        if owner.sync_filter is not None and owner.sync_filter.active:
+        if (owner.sync_filter is not None and owner.sync_filter.active) or owner.hold_pending:
             return None
         tx = owner.tx
         if whole:

@@ -76,6 +76,11 @@ class TargetTable:
     def sql_name(self) -> str:
         return qualified(self.schema, self.name)
 
+    @property
+    def display(self) -> str:
+        """``schema.table`` as people read it (metrics labels, summaries), unquoted."""
+        return f"{self.schema}.{self.name}"
+
 
 _TABLE_SQL = """
     SELECT c.oid, c.relkind = 'p',

@@ -12,19 +12,21 @@ from __future__ import annotations
 from ..protocol.messages import Relation, Type
 from .mapping import RelationMapping
 from .relations import RelationCache
-from .schema import SchemaFollower, TypeCache
+from .schema import ColumnSource, SchemaFollower, TypeCache
 from .transaction import TargetTransaction
 
 __all__ = ["TableMappings"]
 
 
 class TableMappings:
-    def __init__(self, tx: TargetTransaction, relations: RelationCache, *, follow_schema: bool) -> None:
+    def __init__(self, tx: TargetTransaction, relations: RelationCache, *, follow_schema: bool,
+                 source: ColumnSource | None = None) -> None:
         self.tx = tx
         self.relations = relations
         self.types = TypeCache()
-        #: --schema-changes follow: target tables are made to fit the source's Relation messages.
-        self.schema = SchemaFollower(tx, self.types) if follow_schema else None
+        #: --schema-changes follow: target tables are made to fit the source's Relation messages
+        #: (``source``: the source's catalog, for the rows a column added there already has).
+        self.schema = SchemaFollower(tx, self.types, source) if follow_schema else None
         #: Relations whose target table (or change table) a change in the open target transaction
         #: altered: read again if it rolls back.
         self._altered: set[int] = set()

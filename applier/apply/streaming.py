@@ -93,6 +93,11 @@ class StreamingApply:
         return self._applier
 
     @property
+    def applying(self) -> bool:
+        """A streamed transaction is open in the early session."""
+        return self._xid is not None
+
+    @property
     def session(self) -> TargetSession | None:
         return None if self._applier is None else self._applier.tx.session
 
@@ -199,6 +204,8 @@ class StreamingApply:
         if end.commit_lsn <= main.careful_until or main.handlers.skips.lsn is not None:
             self._give_up("its stretch is redone row by row, or skipped")
             return False
+        if end.commit_lsn >= main.hold_before:
+            main.hold(end.commit_lsn)  # a verify's position: it commits once the worker may go on
         if not self._take_over():
             return False
         applier = self.applier

@@ -82,11 +82,12 @@ class TargetTransaction:
               sqlstate: str | None = None) -> ApplyError:
         """An ``ApplyError`` naming the source transaction being applied, if any."""
         txn = self.current
+        # The transaction first: its LSN is the one ``applier skip`` takes.
         if txn is not None and txn.gid is None:
-            message = f"{message} [source transaction xid {txn.xid}, commit LSN {txn.commit_lsn}]"
+            message = f"source transaction xid {txn.xid}, commit LSN {txn.commit_lsn}: {message}"
         elif txn is not None:
-            message = (f"{message} [source transaction xid {txn.xid}, GID {txn.gid!r}, finish "
-                       f"LSN {txn.commit_lsn}]")
+            message = (f"source transaction xid {txn.xid}, GID {txn.gid!r}, finish LSN "
+                       f"{txn.commit_lsn}: {message}")
         return ApplyError(message, cause=cause, sqlstate=sqlstate,
                           commit_lsn=txn.commit_lsn if txn else None, xid=txn.xid if txn else None)
 

@@ -39,7 +39,7 @@ _SAMPLES: dict[str, Any] = {
     "skip_lsn": "16/B374D848", "lsn": "16/B374D848", "metrics_port": 9188, "max_lag": "64MB",
     "master": "spark://spark.example:7077", "jdbc_jar": "/usr/share/java/postgresql.jar",
     "output": "/var/lib/applier/pipeline", "change_feed": ["public.orders", "public.customers"],
-    "every": "5min",
+    "every": "5min", "standby": ["host=standby.example port=5432 dbname=app user=replicator"],
 }
 _KIND_SAMPLES: dict[str, Any] = {"bool": True, "int": 4, "str": ""}
 

@@ -5,6 +5,7 @@ placeholder, default as a person writes it, and the conversion of a raw value to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +33,33 @@ def _parse_bool(text: str | bool) -> bool:
     raise ValueError(f"invalid boolean {text!r}: use true or false")
 
 
+def _parse_int(raw: str | int) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    if not re.fullmatch(r"[+-]?\d+", text):
+        raise ValueError(f"{raw!r} is not a whole number")
+    return int(text)
+
+
+def _parse_float(raw: str | float) -> float:
+    if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        return float(raw)
+    try:
+        return float(str(raw).strip())
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a number") from None
+
+
 def _parse_list(text: str | Sequence[str]) -> list[str]:
     items = text.split(",") if isinstance(text, str) else list(text)
     return [item.strip() for item in items if item.strip()]
+
+
+def _parse_dsns(value: str | Sequence[str]) -> list[str]:
+    """Connection strings: one from the environment or a file's string (a DSN may hold commas:
+    ``host=a,b``), several from repeated flags or a file's list."""
+    return [value] if isinstance(value, str) else [str(item) for item in value]
 
 
 def _parse_lag(value: str | int | LagLimit) -> LagLimit:
@@ -43,6 +68,7 @@ def _parse_lag(value: str | int | LagLimit) -> LagLimit:
 
 #: Command-line placeholders by kind; a plain string names its own (``Option.metavar``).
 _PLACEHOLDERS = {"int": "N", "float": "N", "size": "SIZE", "list": "NAME[,NAME...]", "path": "DIR",
+                 "dsns": "DSN",
                  "lsn": "LSN", "lag": "SIZE|DURATION", "duration": "DURATION"}
 
 
@@ -59,6 +85,7 @@ class Option:
     help: str                      # says what the default means when ``default`` cannot show it
     kind: str = "str"              # str | int | float | bool | size | list | choice | path | lsn | lag
                                    # | duration (seconds as a float; 30s, 5min or a bare number)
+                                   # | dsns (connection strings, never split at commas)
     default: Any = None            # the field's value as typed (64 * 1024**2, not "64MB")
     choices: tuple[str, ...] = ()  # for kind choice (and an int may have them too)
     commands: tuple[str, ...] = ("run", "sync")
@@ -102,29 +129,44 @@ class Option:
             return f"{value:g}"  # 10, not 10.0
         return str(value)
 
-    def _choice(self, raw: Any) -> str:
-        # A choice of on/off (and more) also takes a boolean, as the option once was one.
+    def choice(self, raw: Any) -> str:
+        """``raw`` as one of the choices: any case (``debug`` is ``DEBUG``), and for a choice of
+        on/off (and more) a boolean too, as the option once was one. Anything else is returned
+        as it is, for the check of the choices to refuse."""
         if "on" in self.choices and "off" in self.choices:
             try:
                 return "on" if _parse_bool(raw) else "off"
             except ValueError:
                 pass
-        return str(raw)
+        text = str(raw)
+        return next((c for c in self.choices if c.lower() == text.strip().lower()), text)
 
-    def convert(self, raw: Any) -> Any:
-        """A value from the command line, the environment, the file or the default -> its type."""
+    @property
+    def expected(self) -> str:
+        """The form a number takes, for an error message."""
+        form = "a whole number" if self.kind == "int" else "a number"
+        return f"{form}, e.g. {self.default_text}" if self.default_text else form
+
+    def convert(self, raw: Any, given_as: str | None = None) -> Any:
+        """A value from the command line, the environment, the file or the default -> its type.
+        ``given_as`` names where it was given (``APPLIER_BATCH_ROWS``, ``--batch-rows``) for
+        the error, which then says what form it takes."""
         if raw is None:
             return None
         converters: dict[str, Callable[[Any], Any]] = {
-            "str": str, "int": int, "float": float, "bool": _parse_bool, "size": parse_size,
-            "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self._choice,
+            "str": str, "int": _parse_int, "float": _parse_float, "bool": _parse_bool,
+            "size": parse_size,
+            "list": _parse_list, "path": lambda v: Path(v).expanduser(), "choice": self.choice,
             "lsn": lambda v: LSN.parse(str(v)), "lag": _parse_lag,
-            "duration": parse_duration,
+            "duration": parse_duration, "dsns": _parse_dsns,
         }
+        label = given_as or self.name
         try:
             value = converters[self.kind](raw)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{self.name}: {exc}") from None
+            # Sizes, durations, lag limits, booleans and LSNs say their form themselves.
+            form = f" (expected {self.expected})" if self.kind in ("int", "float") else ""
+            raise ConfigError(f"{label}: {exc}{form}") from None
         if self.choices and str(value) not in self.choices:
-            raise ConfigError(f"{self.name}: {value!r} is not one of {', '.join(self.choices)}")
+            raise ConfigError(f"{label}: {value!r} is not one of {', '.join(self.choices)}")
         return value

@@ -13,7 +13,7 @@ __all__ = ["OPTIONS", "entry", "options_for"]
 
 _REPLICATION = ("run", "sync", "peek")
 #: Commands that print their own result: logging only adds warnings unless asked for more.
-_REPORTING = ("verify", "pipeline", "demo", "sequences", "cutover", "drop")
+_REPORTING = ("verify", "pipeline", "demo", "sequences", "cutover", "drop", "resync")
 #: The commands of a replica's last steps (applier/lifecycle/).
 _LIFECYCLE = ("sequences", "cutover", "drop")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -23,25 +23,37 @@ OPTIONS: tuple[Option, ...] = (
     Option("source", "libpq connection string or URL of the source (publisher) database. TLS and "
            "other libpq options pass through. Required (optional for skip, which then checks "
            "the slot on the target only).", secret=True,
-           commands=_REPLICATION + ("status", "verify", "skip") + _LIFECYCLE),
+           commands=_REPLICATION + ("status", "verify", "skip", "resync") + _LIFECYCLE),
     Option("target", "libpq connection string or URL of the target (replica) database. Required.",
-           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline") + _LIFECYCLE),
+           secret=True, commands=("run", "sync", "status", "skip", "verify", "pipeline", "resync")
+           + _LIFECYCLE),
     Option("slot", "Logical replication slot on the source: the one run and sync consume, peek "
-           "reads without consuming, status and skip report on, cutover waits for, drop removes. "
-           "Required.", metavar="NAME", commands=_REPLICATION + ("status", "skip", "cutover", "drop")),
+           "reads without consuming, status and skip report on, cutover waits for, drop removes, "
+           "resync asks the worker of. Required.", metavar="NAME",
+           commands=_REPLICATION + ("status", "skip", "cutover", "drop", "resync")),
     Option("slot", "Slot of the replica: the report then says how far the target had applied "
            "it when the sequences were set. Default: no such note.", metavar="NAME",
            commands=("sequences",)),
-    Option("slot", "Report the position on the target of this slot only. Default: every slot's.",
-           metavar="NAME", commands=("verify",)),
+    Option("slot", "The replica's slot: while its worker runs, both sides are compared at one "
+           "source position it holds at for a moment (and --repair writes there). Default: the "
+           "only slot the target has applied; without a running worker, each side is read as "
+           "it is (a change not applied yet shows as a difference).", metavar="NAME",
+           commands=("verify",)),
     Option("slot", "Slot whose applied position on the target tags the result. Default: the only "
            "one the target has.", metavar="NAME", commands=("pipeline",)),
     Option("publication", "Publication name(s) on the source, comma separated: what run, sync "
            "and peek receive, whose tables verify and cutover compare, whose sequences sequences "
-           "sets. Required.", kind="list", default=[],
-           commands=_REPLICATION + ("verify", "sequences", "cutover")),
-    Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist.", kind="bool",
-           default=False, commands=("run",)),
+           "sets, whose tables resync may copy again. Required.", kind="list", default=[],
+           commands=_REPLICATION + ("verify", "sequences", "cutover", "resync")),
+    Option("create_slot", "Create the slot (pgoutput plugin) when it does not exist and the "
+           "target has no records of it (a slot that vanished is never replaced: that would "
+           "skip the changes in between).", kind="bool", default=False, commands=("run",)),
+    Option("failover_slot", "Create the slot as a failover slot (PostgreSQL 17+): a physical "
+           "standby with sync_replication_slots = on keeps a synchronised copy of it, and the "
+           "replica goes on from that copy after the standby's promotion (README: Failover of "
+           "the source). Default: on where the source supports it (17+; on 17 not for a "
+           "two-phase slot); asked for on an older source, an error.", kind="bool",
+           commands=("run", "sync")),
     Option("proto_version", "pgoutput protocol version 1-4. Default: the highest the source "
            "supports (15: 3, 16+: 4).", kind="int", commands=_REPLICATION),
     Option("streaming", "Stream large in-progress transactions: off, on, or parallel (protocol 4, "
@@ -101,6 +113,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("timeout", "How long to wait for the worker to apply and confirm everything the source "
            "had written when cutover started (30s, 5min; a bare number is seconds); then fail, "
            "saying how far behind it is.", kind="duration", default=300.0, commands=("cutover",)),
+    Option("timeout", "How long to wait for the worker to reach the comparison's (or the "
+           "repair's) source position; the worker lets go of a hold after this long too.",
+           kind="duration", default=60.0, commands=("verify",)),
     Option("memory_budget", "Memory for open streamed transactions, over all of them; the rest "
            "spills to --spill-dir. What run receives ahead while it starts (at most a quarter) "
            "counts against it. Units kB, MB, GB.", kind="size", default=64 * 1024**2),
@@ -112,9 +127,11 @@ OPTIONS: tuple[Option, ...] = (
            "(spilled beyond --memory-budget) and applied at its commit.",
            kind="choice", choices=("early", "commit"), default="early"),
     Option("schema_changes", "What a source table's changed columns do to the target. follow: "
-           "a column the target lacks is added (nullable, no default; a type that is not built "
-           "in must exist on the target by the same name), a column whose source type now holds "
-           "more is widened along a safe list (smallint, integer, bigint; real, double "
+           "a column the target lacks is added (a type that is not built in must exist on the "
+           "target by the same name) with the source's default, which the rows already there "
+           "read as on the source (one the source wrote into its rows by rewriting the table, "
+           "a volatile default, stops the worker, saying what to do), a column whose source "
+           "type now holds more is widened along a safe list (smallint, integer, bigint; real, double "
            "precision; a longer varchar or text; a wider numeric), a column gone from the source "
            "stays and loses its NOT NULL when it has no default; each change in the target "
            "transaction of the first row change that needs it, recorded in "
@@ -168,10 +185,12 @@ OPTIONS: tuple[Option, ...] = (
            "block ranges of this size, copied in parallel from the same snapshot. A table copied "
            "whole has its indexes built after its data instead. Units kB, MB, GB.",
            kind="size", default=1024**3, commands=("sync",)),
-    Option("create_tables", "Create missing target tables from the source definitions "
-           "(published columns, types, NOT NULL, portable defaults, primary key and replica "
-           "identity index), building other indexes after the data is in: every table applier "
-           "sync copies, and a table added to a publication while run runs.", kind="bool",
+    Option("create_tables", "Create missing target tables with the source's definitions "
+           "(published columns with their types, collations, defaults, identity and NOT NULL; "
+           "the sequences they use; primary key and replica identity), building other indexes "
+           "and unique constraints after each table's data, and CHECK and foreign key "
+           "constraints, validated, after every table's: every table applier sync copies, and a "
+           "table added to a publication while run runs.", kind="bool",
            default=False, commands=("sync", "run")),
     Option("truncate_target", "applier sync empties target tables that are not empty before "
            "copying into them, instead of refusing to start.", kind="bool", default=False,
@@ -199,6 +218,11 @@ OPTIONS: tuple[Option, ...] = (
            default=parse_lag_limit("60s")),
     Option("json", "Print the result as JSON instead of a table.", kind="bool", default=False,
            commands=("status", "verify", "cutover")),
+    Option("standby", "A physical standby of the source (libpq connection string or URL); "
+           "repeatable. status shows whether it holds a synchronised copy of the slot and how "
+           "far behind the slot it is, checks its settings for a failover, and exits with status "
+           "3 when it could not take over the replica. Default: none.", kind="dsns", default=[],
+           secret=True, repeatable=True, commands=("status",)),
     Option("max_lag", "Exit with status 3 when the apply lag exceeds this: a size of WAL (e.g. "
            "64MB) or a duration (e.g. 30s, 5min). Default: no limit.", kind="lag",
            commands=("status",)),
@@ -208,6 +232,17 @@ OPTIONS: tuple[Option, ...] = (
            metavar="TABLE", commands=("verify",)),
     Option("table", "Replicated table to aggregate (schema.table or table).", kind="list",
            default=["orders"], metavar="TABLE", commands=("pipeline",)),
+    Option("table", "Published table(s) to copy again (schema.table or table), comma separated; "
+           "repeatable. Required.", kind="list", default=[], repeatable=True,
+           metavar="TABLE[,TABLE...]", commands=("resync",)),
+    Option("keep_target_columns", "Copy a table again even though its target table has columns "
+           "the source does not publish: the copy empties the table, so their values are lost "
+           "(new rows get their defaults).", kind="bool", default=False, commands=("resync",)),
+    Option("repair", "Make the target equal to the source where the tables differ, while the "
+           "worker runs: the differing keys' rows are read from a source snapshot and written "
+           "while the worker holds at its position; a table without a key (or with over 10000 "
+           "differing keys) is copied again whole, as applier resync does. Without it, verify "
+           "only says what --repair would do.", kind="bool", default=False, commands=("verify",)),
     Option("engine", "sql: compare inside the databases; spark: with PySpark, for tables too "
            "large for one machine.", kind="choice", choices=("sql", "spark"), default="sql",
            commands=("verify",)),
@@ -241,11 +276,18 @@ OPTIONS: tuple[Option, ...] = (
            default=0, commands=("sequences", "sync", "cutover")),
     Option("dry_run", "Show what would be set, and set nothing.", kind="bool", default=False,
            commands=("sequences",)),
-    Option("verify", "How cutover compares the tables: counts (row counts per table), full (as "
-           "applier verify: counts, per-range hashes, differing keys) or off.", kind="choice",
-           choices=("counts", "full", "off"), default="counts", commands=("cutover",)),
+    Option("verify", "How cutover compares the tables' rows: full (as applier verify: counts, "
+           "per-range hashes, the differing keys), counts (row counts only: quicker, but blind "
+           "to a changed row) or off. Only full can give the verdict SAFE; counts and off, with "
+           "no check failing, give NOT CONFIRMED.", kind="choice",
+           choices=("full", "counts", "off"), default="full", commands=("cutover",)),
     Option("keep_bookkeeping", "Keep the slot's rows in the target's applier tables (progress, "
            "table sync, conflicts, ...) for the record.", kind="bool", default=False,
+           commands=("drop",)),
+    Option("keep_change_feed", "Keep the slot's change feed (its change tables in schema "
+           "applier_changes and their rows in applier.change_tables, change_partitions and "
+           "change_commits), for reading its history after the replica is retired. A sync of a "
+           "slot of the same name starts its history again.", kind="bool", default=False,
            commands=("drop",)),
     Option("yes", "Do not ask for confirmation on a terminal (without a terminal drop never "
            "asks).", kind="bool", default=False, commands=("drop",)),

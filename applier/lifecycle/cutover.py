@@ -6,10 +6,14 @@ position; wait (up to ``--timeout``) until the slot has confirmed everything up 
 worker does only once it is durable on the target; set the target's sequences
 (:mod:`.sequences`); check that no prepared transaction is pending on the source, nor on the
 target (prepared or deferred by the worker), and that no table copy is unfinished; compare the
-tables (``--verify counts``: row counts; ``full``: as ``applier verify``; ``off``); then report
-every check with what to do about a failed one, as text or JSON. Exit status OK only when every
-check passed, CHECK when one failed, FAILED when the command could not do its work (a server
-unreachable, the slot missing).
+published tables' schemas (:mod:`.schemas`, every difference listed) and their rows (``--verify
+full``, the default: as ``applier verify``, hashes that see a changed row; ``counts``: row
+counts only; ``off``); weigh the transactions skipped and the conflicts recorded (each is fine
+only where the rows it touched compared equal in full); then report every check with what to do
+about a failed one, as text or JSON. SAFE only when every check was made and passed: with rows
+only counted or not compared, no check failing is NOT CONFIRMED. Exit status OK only when SAFE,
+CHECK otherwise, FAILED when the command could not do its work (a server unreachable, the slot
+missing).
 
 Must never write to the source, stop or signal a worker, or change the target beyond its
 sequences (and those never backwards).
@@ -26,12 +30,15 @@ from typing import Any
 import psycopg
 
 from ..config import Settings
+from ..errors import ApplierError
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..protocol.lsn import LSN
 from ..source.slots import SlotInfo, slot_info
+from ..sync.catalog import published_tables as source_tables
 from ..units import readable_size
 from ..verify import VerifyError, VerifyReport, count_sql, format_table, published_tables, snapshots, verify
+from .schemas import schema_differences
 from .sequences import SequencesReport, synchronise_sequences
 from .servers import LifecycleError, connect, source_prepared, target_prepared
 
@@ -43,13 +50,15 @@ _POLL_SECONDS = 0.5
 
 @dataclass
 class Check:
-    """One condition of a safe replacement: ``ok`` None when it could not be checked (an earlier
-    check failed); ``action`` says what to do when it is not ok."""
+    """One condition of a safe replacement: ``ok`` None when it was not checked (an earlier
+    check failed, or the options left it out); ``action`` says what to do when it is not ok;
+    ``lines``: what it found, one thing a line (every schema difference)."""
 
     name: str
     ok: bool | None
     detail: str
     action: str | None = None
+    lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,7 +71,7 @@ class CutoverReport:
 
     @property
     def safe(self) -> bool:
-        return all(check.ok for check in self.checks)
+        return all(check.ok is True for check in self.checks)
 
     @property
     def verdict(self) -> str:
@@ -70,14 +79,19 @@ class CutoverReport:
             return ("SAFE: the target is a safe replacement for the source. Point the application "
                     f"at the target, then retire the replica with applier drop --slot {self.slot}")
         failed = sum(1 for check in self.checks if check.ok is False)
-        return (f"NOT SAFE: {failed} check(s) failed; do what each says, then run applier cutover "
-                "again (writes to the source must stay stopped)")
+        if failed:
+            return (f"NOT SAFE: {failed} check(s) failed; do what each says, then run applier "
+                    "cutover again (writes to the source must stay stopped)")
+        unchecked = ", ".join(check.name for check in self.checks if check.ok is None)
+        return (f"NOT CONFIRMED: no check failed, but not every one was made ({unchecked}); run "
+                "applier cutover again with --verify full")
 
     def render(self) -> str:
         lines = [f"cutover of slot {self.slot!r} at source WAL position {self.source_lsn}"]
         for check in self.checks:
             mark = {True: "ok  ", False: "FAIL", None: "--  "}[check.ok]
             lines.append(f"  [{mark}] {check.name}: {check.detail}")
+            lines += [f"         - {line}" for line in check.lines]
             if check.ok is False and check.action:
                 lines.append(f"         what to do: {check.action}")
         if self.sequences is not None and self.sequences.results:
@@ -175,8 +189,41 @@ def _compare(source_dsn: str, target_dsn: str, publications: list[str], slot: st
         return VerifyReport("counts", snaps.source_wal_lsn, snaps.target_positions, 1, results)
 
 
+def _schemas_check(source_dsn: str, target_dsn: str, publications: list[str]) -> Check:
+    with connect(source_dsn, "source", "cutover") as source, \
+            connect(target_dsn, "target", "cutover") as target:
+        tables = source_tables(source, publications)
+        differences = schema_differences(source, target, tables)
+    return Check("schemas equal", not differences,
+                 f"the definitions of {len(tables)} table(s) are the source's" if not differences
+                 else f"{len(differences)} difference(s) in the published tables' definitions",
+                 "make the target's definitions the source's (ALTER TABLE, CREATE INDEX, CREATE "
+                 "SEQUENCE ... on the target), then run cutover again", differences)
+
+
+def _weighed(name: str, what: str, touched: dict[str, str], report: CutoverReport,
+             mode: str) -> Check:
+    """A check of events that may have left rows behind (skipped transactions, conflicts), by
+    the tables each touched (``touched``: table -> what happened there): fine where those
+    tables compared equal in full."""
+    if not touched:
+        return Check(name, True, f"no {what}")
+    equal = ({t.table for t in report.tables.tables if t.equal}
+             if report.tables is not None and mode == "full" else set())
+    unsure = sorted(set(touched) - equal)
+    lines = [f"{table}: {touched[table]}" for table in sorted(touched)]
+    if not unsure:
+        return Check(name, True, f"{what} in {len(touched)} table(s), each compared equal in "
+                     "full since: nothing of them is missing", lines=lines)
+    why = ("they differ or were not compared" if mode == "full" else
+           f"the rows were not compared in full (--verify {mode})")
+    return Check(name, False, f"{what} in {', '.join(unsure)}, whose rows may differ from the "
+                 f"source's: {why}", "compare those tables (applier verify --table ...), "
+                 "repair what differs, then run cutover again with --verify full", lines)
+
+
 def cutover(settings: Settings) -> CutoverReport:
-    """Every check, in order; the waiting, sequences and comparison only once caught up."""
+    """Every check, in order; the waiting, sequences and comparisons only once caught up."""
     slot = settings.required("slot")
     source_dsn, target_dsn = settings.required("source"), settings.required("target")
     with connect(source_dsn, "source", "cutover") as source, \
@@ -189,9 +236,19 @@ def cutover(settings: Settings) -> CutoverReport:
         report.checks.append(caught_up)
         report.checks += _prepared_checks(source, target, slot)
         report.checks.append(_copies_check(target, slot))
+        store = SqlBookkeeping(target)
+        skipped: dict[str, str] = {}
+        for lsn, changed in store.skipped(slot):
+            for table in changed:
+                skipped[table] = ", ".join(filter(None, (skipped.get(table), f"skipped at {lsn}")))
+        conflicts = {table: ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+                     for table, kinds in store.conflicts_by_table(slot).items()}
     if not caught_up.ok:
-        report.checks += [Check("sequences set", None, "not set: the replica has not caught up"),
-                          Check("tables equal", None, "not compared: the replica has not caught up")]
+        report.checks += [Check(name, None, f"not {verb}: the replica has not caught up")
+                          for name, verb in (("sequences set", "set"), ("schemas equal", "compared"),
+                                             ("tables equal", "compared"),
+                                             ("no transaction skipped", "weighed"),
+                                             ("no conflict left", "weighed"))]
         return report
     report.sequences = synchronise_sequences(source_dsn, target_dsn, settings.publication,
                                              margin=settings.margin)
@@ -201,18 +258,29 @@ def cutover(settings: Settings) -> CutoverReport:
         f"{len(report.sequences.results)} sequence(s) at or past the source's"
         if not problems else "; ".join(problems),
         "fix each sequence as said, then run cutover again"))
-    if settings.verify == "off":
-        report.checks.append(Check("tables equal", True, "not compared (--verify off)"))
-        return report
-    report.tables = _compare(source_dsn, target_dsn, settings.publication, slot, settings.verify)
-    differing = [t.table for t in report.tables.tables if not t.equal]
-    what = "row counts" if settings.verify == "counts" else "rows"
-    report.checks.append(Check(
-        "tables equal", not differing,
-        f"{what} of {len(report.tables.tables)} table(s) equal" if not differing
-        else f"{what} differ in {', '.join(differing)}",
-        "find the differing rows (applier verify --table ...), repair them or copy the tables "
-        "again (applier sync), then run cutover again"))
+    report.checks.append(_schemas_check(source_dsn, target_dsn, settings.publication))
+    mode = settings.verify
+    if mode == "off":
+        report.checks.append(Check("tables equal", None, "not compared (--verify off)"))
+    else:
+        report.tables = _compare(source_dsn, target_dsn, settings.publication, slot, mode)
+        differing = [t.table for t in report.tables.tables if not t.equal]
+        count = len(report.tables.tables)
+        if differing:
+            what = "row counts" if mode == "counts" else "rows"
+            compared = Check("tables equal", False, f"{what} differ in {', '.join(differing)}",
+                           "find the differing rows (applier verify --table ...), repair them or "
+                           "copy the tables again (applier sync), then run cutover again")
+        elif mode == "counts":  # a changed row keeps the count: not a verdict
+            compared = Check("tables equal", None, f"row counts of {count} table(s) equal; rows "
+                           "not compared (--verify counts cannot see a changed row)")
+        else:
+            compared = Check("tables equal", True, f"rows of {count} table(s) equal")
+        report.checks.append(compared)
+    report.checks.append(_weighed("no transaction skipped", "transactions skipped", skipped,
+                                  report, mode))
+    report.checks.append(_weighed("no conflict left", "conflicts recorded", conflicts, report,
+                                  mode))
     return report
 
 
@@ -222,7 +290,7 @@ def run_cutover(settings: Settings) -> int:
     settings.require("source", "target", "slot", "publication")
     try:
         report = cutover(settings)
-    except (LifecycleError, VerifyError, psycopg.Error) as exc:
+    except (ApplierError, VerifyError, psycopg.Error) as exc:
         print(f"applier cutover: {' '.join(str(exc).split())}", file=sys.stderr)
         return ExitCode.FAILED
     print(json.dumps(report.as_json(), indent=2) if settings.json else report.render())

@@ -2,9 +2,12 @@
 
 Owns finding and removing what one slot's replica made: the logical slot on the source, the
 replication origin that tagged its writes on the target (``apply.origins`` names it), the
-transactions its worker prepared on the target and left pending (rolled back), the slot's rows
-in every bookkeeping table (unless ``--keep-bookkeeping``), and its spill files on this machine
-(with the per-slot directory, unless ``--spill-dir`` names the operator's own). It holds the
+transactions its worker prepared on the target and left pending (rolled back), its change feed
+(the change tables in ``applier_changes`` with their rows in the bookkeeping tables, and that
+schema once no other slot has one there; unless ``--keep-change-feed``), the slot's rows in every
+other bookkeeping table (unless ``--keep-bookkeeping``), and its spill files on this machine
+(with the per-slot directory, unless ``--spill-dir`` names the operator's own). What it keeps
+when asked, and the bookkeeping schema itself, it says it keeps. It holds the
 slot's worker lock on the target throughout, so no worker starts meanwhile; it shows what it
 will remove and asks on a terminal unless ``--yes``; it prints what it removed; run again, it
 finds nothing and says so.
@@ -32,8 +35,11 @@ from ..assembler.buffer import SPILL_GLOB, default_spill_dir
 from ..config import Settings
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.feed import SCHEMA as FEED_SCHEMA
+from ..progress.feed_registry import REGISTRY_TABLES, FeedRegistry, FeedStatus
 from ..progress.lock import AlreadyRunning, WorkerLock
 from ..source.slots import slot_info
+from ..units import readable_size
 from .servers import LifecycleError, PreparedTransaction, connect, target_prepared
 
 __all__ = ["DropPlan", "plan_drop", "run_drop"]
@@ -48,6 +54,7 @@ class DropPlan:
     origins: list[str]
     prepared: list[PreparedTransaction]
     bookkeeping: dict[str, int]  # table -> the slot's rows (empty with --keep-bookkeeping)
+    feed: list[FeedStatus]  # the slot's change tables (empty with --keep-change-feed)
     spill_dir: Path
     spill_files: list[Path]
     remove_spill_dir: bool  # the per-slot default directory (not an operator's --spill-dir)
@@ -56,7 +63,8 @@ class DropPlan:
     @property
     def empty(self) -> bool:
         return not (self.slot_on_source or self.origins or self.prepared or self.bookkeeping
-                    or self.spill_files or (self.remove_spill_dir and self.spill_dir.is_dir()))
+                    or self.feed or self.spill_files
+                    or (self.remove_spill_dir and self.spill_dir.is_dir()))
 
     def describe(self) -> list[str]:
         lines = []
@@ -65,6 +73,12 @@ class DropPlan:
         lines += [f"target: replication origin {name!r}" for name in self.origins]
         lines += [f"target: prepared transaction {p.gid!r} (prepared {p.prepared.isoformat()} by "
                   f"{p.owner}), to be rolled back" for p in self.prepared]
+        lines += [f"target: change table {table.change_table} of {table.table} (change feed: "
+                  f"{table.partitions} partition(s), ~{table.estimated_rows} rows, "
+                  f"{readable_size(table.bytes)}) and its rows in applier.{', applier.'.join(REGISTRY_TABLES)}"
+                  for table in self.feed]
+        if self.feed:
+            lines.append(f"target: schema {FEED_SCHEMA}, if no other slot has a change table there")
         lines += [f"target: {count} row(s) of slot {self.slot!r} in applier.{table}"
                   for table, count in self.bookkeeping.items()]
         if self.spill_files:
@@ -95,7 +109,8 @@ def _refuse_active_slot(source: psycopg.Connection[Any], slot: str) -> bool:
 
 
 def plan_drop(source: psycopg.Connection[Any], target: psycopg.Connection[Any], slot: str, *,
-              keep_bookkeeping: bool, spill_dir: Path | None, target_dsn: str) -> DropPlan:
+              keep_bookkeeping: bool, keep_change_feed: bool, spill_dir: Path | None,
+              target_dsn: str) -> DropPlan:
     """What is left of ``slot``'s replica; raises ``LifecycleError`` when a worker holds it."""
     on_source = _refuse_active_slot(source, slot)
     database = target.info.dbname
@@ -105,8 +120,10 @@ def plan_drop(source: psycopg.Connection[Any], target: psycopg.Connection[Any], 
         "SELECT roname::text FROM pg_catalog.pg_replication_origin WHERE roname = ANY(%s) "
         "ORDER BY roname", (names,))]
     directory = spill_dir or default_spill_dir(slot, target_dsn)
-    return DropPlan(slot, on_source, origins, target_prepared(target, slot),
-                    {} if keep_bookkeeping else SqlBookkeeping(target).slot_row_counts(slot),
+    bookkeeping = ({} if keep_bookkeeping else
+                   SqlBookkeeping(target).slot_row_counts(slot, besides=REGISTRY_TABLES))
+    feed = [] if keep_change_feed else FeedRegistry(target).status(slot)
+    return DropPlan(slot, on_source, origins, target_prepared(target, slot), bookkeeping, feed,
                     directory, sorted(directory.glob(SPILL_GLOB)), spill_dir is None)
 
 
@@ -126,9 +143,12 @@ def _execute(plan: DropPlan, source: psycopg.Connection[Any], target: psycopg.Co
     for name in plan.origins:
         target.execute("SELECT pg_catalog.pg_replication_origin_drop(%s)", (name,))
         plan.removed.append(f"dropped replication origin {name!r} on the target")
+    if plan.feed:
+        with target.transaction():
+            plan.removed += [f"{line} on the target" for line in FeedRegistry(target).remove(plan.slot)]
     if plan.bookkeeping:
         with target.transaction():
-            deleted = SqlBookkeeping(target).forget_slot(plan.slot)
+            deleted = SqlBookkeeping(target).forget_slot(plan.slot, besides=REGISTRY_TABLES)
         plan.removed += [f"deleted {count} row(s) of applier.{table} on the target"
                          for table, count in deleted.items()]
     for path in plan.spill_files:
@@ -157,7 +177,8 @@ def drop(settings: Settings, ask: Callable[[str], str] | None) -> int:
         # The slot first (a running worker holds it: its WAL sender is named), then the worker
         # lock (a worker between two sessions holds only that), kept to the end.
         plan = plan_drop(source, target, slot, keep_bookkeeping=settings.keep_bookkeeping,
-                         spill_dir=settings.spill_dir, target_dsn=settings.required("target"))
+                         keep_change_feed=settings.keep_change_feed, spill_dir=settings.spill_dir,
+                         target_dsn=settings.required("target"))
         lock = WorkerLock(settings.required("target"), slot)
         try:
             lock.acquire()
@@ -166,6 +187,7 @@ def drop(settings: Settings, ask: Callable[[str], str] | None) -> int:
         stack.callback(lock.release)
         if plan.empty:
             print(f"nothing left to remove for slot {slot!r}: it is dropped already")
+            print("\n".join(_kept(target, slot, settings)))
             return ExitCode.OK
         print(f"applier drop will remove, for slot {slot!r}:")
         print("\n".join(f"  {line}" for line in plan.describe()))
@@ -173,11 +195,33 @@ def drop(settings: Settings, ask: Callable[[str], str] | None) -> int:
             print("nothing removed")
             return ExitCode.FAILED
         _execute(plan, source, target)
+        kept = _kept(target, slot, settings)
     print("removed:")
     print("\n".join(f"  {line}" for line in plan.removed))
-    if settings.keep_bookkeeping:
-        print(f"kept the rows of slot {slot!r} in the applier tables (--keep-bookkeeping)")
+    print("\n".join(kept))
     return ExitCode.OK
+
+
+def _kept(target: psycopg.Connection[Any], slot: str, settings: Settings) -> list[str]:
+    """What drop leaves of the replica, and why: what it was asked to keep, and the bookkeeping
+    schema (other slots may use it)."""
+    kept = []
+    if settings.keep_change_feed:
+        tables = FeedRegistry(target).status(slot)
+        if tables:
+            kept.append(f"kept the change feed of slot {slot!r} (--keep-change-feed): "
+                        + ", ".join(t.change_table for t in tables)
+                        + f", and their rows in applier.{', applier.'.join(REGISTRY_TABLES)}")
+    if settings.keep_bookkeeping:
+        kept.append(f"kept the rows of slot {slot!r} in the applier tables (--keep-bookkeeping)")
+    store = SqlBookkeeping(target)
+    if store.tables():
+        others = store.slots()
+        kept.append("kept the bookkeeping schema applier: " + (
+            f"slot(s) {', '.join(map(repr, others))} still have rows in it" if others else
+            "no slot has rows in it any more; DROP SCHEMA applier CASCADE removes it, once no "
+            "replica is to use this target"))
+    return kept
 
 
 def run_drop(settings: Settings) -> int:

@@ -95,6 +95,22 @@ class _WorkerCollector(Collector):
                     good.target_rtt if good else None)
         yield gauge("applier_probe_ok", "1 when the last probe reached both servers.",
                     int(good is not None))
+        yield counter("applier_verify_holds", "Times the worker held at a verify's (or a repair's) "
+                      "source position.", applied["holds"])
+        repairs = good.repairs if good is not None else None
+        done = CounterMetricFamily("applier_repairs", "Tables repaired, as recorded in "
+                                   "applier.repairs: by key (verify --repair) or copied again "
+                                   "(resync).", labels=["slot", "kind"])
+        written = CounterMetricFamily("applier_repaired_rows", "Rows those repairs wrote (a "
+                                      "resync: the rows it copied).", labels=["slot", "kind"])
+        if repairs is not None:
+            for kind in ("repair", "resync"):
+                done.add_metric([slot, kind], repairs.done.get(kind, 0))
+                written.add_metric([slot, kind], repairs.rows.get(kind, 0))
+        yield done
+        yield written
+        yield gauge("applier_resyncs_pending", "Tables marked for a resync, or being copied again.",
+                    repairs.pending_resyncs if repairs is not None else None)
 
 
 def _handler(telemetry: Observed, registry: CollectorRegistry) -> type[BaseHTTPRequestHandler]:

@@ -2,9 +2,10 @@
 
 Owns the root handler ``applier`` installs (``configure_logging``), the masking of connection
 string passwords in every line whoever logged it (applier, psycopg, alembic, tracebacks), and the
-log context: the running worker registers a function returning its slot, current source LSN and
-xid, and every record carries them as fields (JSON) or, on warnings and errors, as a
-``[slot=... lsn=... xid=...]`` suffix (text). Must never decide what is logged or at which level.
+log context: the running worker registers a function returning its slot, last received source
+LSN and xid, and every record carries them as fields (JSON) or, on warnings and errors, as a
+``[slot=... received_lsn=... xid=...]`` suffix at the end of the message (text). Must never
+decide what is logged or at which level.
 """
 
 from __future__ import annotations
@@ -53,20 +54,29 @@ def _context_of(record: logging.LogRecord) -> dict[str, Any]:
             if getattr(record, name, None) is not None}
 
 
+#: How the text format labels a context field: ``lsn`` is the last *received* source LSN, which
+#: is not the LSN ``applier skip`` takes (the message names that one).
+_TEXT_LABELS = {"lsn": "received_lsn"}
+
+
 class TextFormatter(logging.Formatter):
-    """``time level logger: message``; warnings and errors end with their slot/LSN/xid."""
+    """``time level logger: message``; warnings and errors end with their slot, last received
+    LSN and xid, after the whole message (a traceback follows below)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
         context = _context_of(record)
         if record.levelno >= logging.WARNING and context:
-            suffix = " ".join(f"{name}={value}" for name, value in context.items())
-            head, sep, tail = line.partition("\n")  # keep a traceback below the suffixed line
-            line = f"{head} [{suffix}]{sep}{tail}"
-        return mask_dsn(line)
+            suffix = " ".join(f"{_TEXT_LABELS.get(name, name)}={value}"
+                              for name, value in context.items())
+            line = f"{line} [{suffix}]"
+        return line
+
+    def format(self, record: logging.LogRecord) -> str:
+        return mask_dsn(super().format(record))
 
 
 class JsonFormatter(logging.Formatter):

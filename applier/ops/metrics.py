@@ -6,7 +6,8 @@ custom collector (the applier's counters, the stream's positions and byte count,
 memory and spill figures), so the replication hot path does no extra work; counters of ended
 sessions are folded into running totals so they never go backwards. The probe thread, every
 status interval, times one small query on each server over its own connections (round-trip
-times) and reads the source's WAL position and the target's progress row (lag). Must never
+times) and reads the source's WAL position and the target's progress row (lag), and the counts
+of resyncs and repairs recorded for the slot. Must never
 touch the replication connection, the target session or the slot, and must never block the
 worker: it only reads attributes the worker thread writes.
 """
@@ -26,6 +27,7 @@ from ..config import ConfigError, Settings, mask_dsn
 from ..connections import connect
 from ..errors import SourceError
 from ..progress.bookkeeping import SqlBookkeeping
+from ..progress.repairs import Repairs
 from ..protocol.lsn import LSN
 from ..source.slots import slot_info
 from .lag import Lag, LagLimit, measure_lag
@@ -250,7 +252,9 @@ class Telemetry:
                               progress.commit_time if progress else None, datetime.now(UTC))
         # else no slot yet (--create-slot makes it at the session's start): the WAL before it is
         # not the replica's to apply, so the lag is not known rather than all of it.
-        return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None)
+        repairs = Repairs(target).totals(self.slot)
+        target.rollback()
+        return Probe(time.monotonic(), source_rtt, target_rtt, source_lsn, lag, None, repairs)
 
 
 def _retry(read):

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..progress.repairs import RepairTotals
 from ..protocol.lsn import LSN
 from .lag import Lag
 
@@ -27,6 +28,8 @@ class Probe:
     source_lsn: LSN | None
     lag: Lag | None
     error: str | None
+    #: Resyncs and repairs recorded for the slot (None before the bookkeeping has them).
+    repairs: RepairTotals | None = None
 
 
 class Observed(Protocol):

@@ -2,15 +2,19 @@
 
 Owns the read-only queries that describe a slot on the source and the bookkeeping on the target
 (also used by the metrics probe, so both report the same lag), and the status report: a table,
-or JSON with ``--json``. Exit status (``ExitCode``): OK; FAILED when a server could not be read;
-CHECK when the slot is missing or the lag exceeds ``--max-lag``. Must never write to either
-database or touch the slot.
+or JSON with ``--json``; the failover part (the slot's failover flag, the source's
+synchronized_standby_slots, each ``--standby``'s settings and copy of the slot) comes from
+``failover``. Exit status (``ExitCode``): OK; FAILED when the source or the target could not be
+read; CHECK when the slot is missing, the lag exceeds ``--max-lag``, or a ``--standby`` could not
+take over the replica. Must never write to any database or touch the slot.
 
 Bookkeeping tables that newer versions add (``applier.table_sync``, ``applier.conflicts``,
-``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``) are read only
-when the target's catalog has them, so status works on a target whatever version of the schema
-it carries. The change feed is shown per table: the LSN range it retains, its partitions, a row
-estimate and its size.
+``applier.skipped_transactions``, ``applier.origins``, ``applier.change_tables``,
+``applier.repairs``) are read only when the target's catalog has them, so status works on a
+target whatever version of the schema it carries. Whether a worker or a sync of the slot runs is
+read from its lock on the target, so a table whose copy stopped unfinished is told from one
+being copied. Resyncs and repairs are shown newest first. The change feed is shown per table:
+the LSN range it retains, its partitions, a row estimate and its size.
 """
 
 from __future__ import annotations
@@ -29,12 +33,23 @@ from ..config import Settings, mask_dsn
 from ..exit_codes import ExitCode
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.feed_registry import FeedRegistry
+from ..progress.lock import LockHolder, lock_holder
 from ..progress.records import Progress
+from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..queries import rows
 from ..source.slots import SlotInfo, slot_info
 from ..units import readable_size
+from .failover import (
+    FailoverReport,
+    StandbyFacts,
+    assess,
+    read_primary,
+    read_standby,
+    render_failover,
+    standby_label,
+)
 from .lag import Lag, measure_lag
 
 if TYPE_CHECKING:
@@ -66,12 +81,18 @@ class StatusReport:
     schema_changes: list[dict[str, Any]]
     publication_tables: list[dict[str, Any]]
     change_feed: list[dict[str, Any]] | None
+    #: The target session holding the slot's lock (a worker or a sync of the slot runs), if any.
+    running: LockHolder | None
+    repairs: list[dict[str, Any]]
     spill_dir: str
     spill_bytes: int | None
+    failover: FailoverReport | None = None
     notes: list[str] = field(default_factory=list)
 
     def exit_status(self) -> ExitCode:
-        return ExitCode.CHECK if self.slot is None or self.lag_exceeded else ExitCode.OK
+        standbys_unready = self.failover is not None and not self.failover.ready
+        return (ExitCode.CHECK if self.slot is None or self.lag_exceeded or standbys_unready
+                else ExitCode.OK)
 
     def as_json(self) -> dict[str, Any]:
         return _jsonable(asdict(self))
@@ -102,6 +123,16 @@ def collect_status(settings: Settings) -> StatusReport:
     with _reading("source", source_dsn) as source:
         database, wal_lsn = source_wal_position(source)
         slot = slot_info(source, slot_name)
+        primary = read_primary(source)
+    standbys: list[tuple[str, StandbyFacts | str]] = []
+    for standby_dsn in settings.standby:
+        label = standby_label(standby_dsn)
+        try:
+            with _reading(f"standby {label}", standby_dsn) as standby:
+                standbys.append((label, read_standby(standby, slot_name)))
+        except StatusError as exc:
+            standbys.append((label, str(exc)))
+    failover = assess(slot_name, slot, primary, wal_lsn, standbys)
     with _reading("target", target_dsn) as target:
         store = SqlBookkeeping(target)
         tables = store.tables()
@@ -121,7 +152,9 @@ def collect_status(settings: Settings) -> StatusReport:
                               sorted(store.publication_tables(slot_name).items())]
         change_feed = ([asdict(row) for row in FeedRegistry(target).status(slot_name)]
                        if "change_tables" in tables else None)
-    notes: list[str] = []
+        running = lock_holder(target, slot_name)
+        repairs = [_with_lsns(row) for row in Repairs(target).latest(slot_name)]
+    notes: list[str] = list(failover.warnings)
     if slot is None:
         notes.append(f"replication slot {slot_name!r} does not exist on the source")
     elif slot.database != database:
@@ -141,7 +174,8 @@ def collect_status(settings: Settings) -> StatusReport:
         lag_exceeded=bool(limit and lag and limit.exceeded_by(lag)), prepared_transactions=prepared,
         table_sync=table_sync, conflicts=conflicts, skipped_transactions=skipped, origins=origins,
         schema_changes=schema_changes, publication_tables=publication_tables,
-        change_feed=change_feed, spill_dir=str(spill_dir), spill_bytes=_directory_bytes(spill_dir), notes=notes)
+        change_feed=change_feed, running=running, repairs=repairs, spill_dir=str(spill_dir),
+        spill_bytes=_directory_bytes(spill_dir), failover=failover, notes=notes)
 
 
 class StatusError(Exception):
@@ -213,12 +247,16 @@ def _size(n: int | None) -> str:
     return f"{readable_size(n)} ({n} bytes)" if n >= 1024 else f"{n} bytes"
 
 
-def _table_sync_line(row: Mapping[str, Any]) -> str:
-    """``public.orders: copied at 0/1A2B3C4D: 200000 rows, 12.3 MB, in 4.2 s`` (or copying)."""
+def _table_sync_line(row: Mapping[str, Any], running: bool) -> str:
+    """``public.orders: copied at 0/1A2B3C4D: 200000 rows, 12.3 MB, in 4.2 s``, or not copied
+    yet: being copied while a sync (or worker) of the slot runs, else left unfinished."""
     name = f"{row.get('schema_name')}.{row.get('table_name')}"
     if row.get("state") != "done":
         started = row.get("started_at")
-        return f"{name}: copying" + (f" since {_jsonable(started)}" if started else "")
+        if running:
+            return f"{name}: in the copy under way (begun {_jsonable(started)})"
+        return (f"{name}: not copied: the copy that began {_jsonable(started)} stopped "
+                "unfinished, and no sync runs; run applier sync to finish it")
     text = f"{name}: copied at {row.get('sync_lsn')}"
     if row.get("rows_copied") is not None:
         text += f": {row['rows_copied']} rows, {_size(row.get('bytes_copied')).split(' (')[0]}"
@@ -226,6 +264,35 @@ def _table_sync_line(row: Mapping[str, Any]) -> str:
     if isinstance(started, datetime) and isinstance(finished, datetime):
         text += f", in {(finished - started).total_seconds():.1f} s"
     return text
+
+
+#: What a table the worker does not simply apply is doing, by its state in publication_tables.
+_PUBLICATION_STATES = {"removed": "no longer published: not applied, target rows kept",
+                       "copying": "being copied (added to the publication, or applier resync)",
+                       "resync": "to be copied again (applier resync): the worker starts within "
+                                 "seconds, or the next run first"}
+
+
+def _repair_line(row: Mapping[str, Any]) -> str:
+    """``2024-... public.t: resync done at 0/1A2B: 5000 rows`` or a repair's rows and keys."""
+    name = f"{row['schema_name']}.{row['table_name']}"
+    when = _jsonable(row.get("finished_at") or row.get("started_at") or row.get("requested_at"))
+    if row["kind"] == "resync":
+        if row["state"] != "done":
+            return f"{when} {name}: resync {'copying' if row['state'] == 'copying' else 'requested'}"
+        return f"{when} {name}: resync done at {row['source_lsn']}: {row.get('inserted')} rows copied"
+    keys = ", ".join(_key_text(k) for k in row.get("keys") or [])
+    more = row.get("key_count", 0) - len(row.get("keys") or [])
+    return (f"{when} {name}: repaired at {row['source_lsn']}: {row.get('inserted')} inserted, "
+            f"{row.get('updated')} updated, {row.get('deleted')} deleted; keys {keys}"
+            + (f" and {more} more" if more > 0 else ""))
+
+
+def _key_text(key: list[Any]) -> str:
+    """A repaired key (a list of text values) or key range (two integers)."""
+    if all(isinstance(v, int) for v in key):
+        return str(key[0]) if key[0] == key[-1] else f"{key[0]}-{key[-1]}"
+    return str(key[0]) if len(key) == 1 else f"({', '.join(map(str, key))})"
 
 
 def _feed_line(row: Mapping[str, Any], progress: Progress | None) -> str:
@@ -252,6 +319,8 @@ def render_table(report: StatusReport) -> str:
                  ("restart LSN", str(slot.restart_lsn or "none")),
                  ("WAL retained by slot", _size(report.retained_wal_bytes)),
                  ("WAL status", slot.wal_status or "unknown")]
+    if report.failover is not None:
+        rows += render_failover(report.failover)
     rows.append(("source WAL position", str(report.source_wal_lsn)))
     progress = report.progress
     if progress is None:
@@ -268,6 +337,9 @@ def render_table(report: StatusReport) -> str:
     if report.max_lag and report.lag is not None:
         lag += f" ({'EXCEEDS' if report.lag_exceeded else 'within'} --max-lag {report.max_lag})"
     rows.append(("apply lag", lag))
+    holder = report.running
+    rows.append(("worker", "not running" if holder is None else
+                 f"running (target backend pid {holder.backend_pid}, {holder.application_name!r})"))
     rows.append(("pending prepared transactions", str(len(report.prepared_transactions))
                  + "".join(f"\n  {p['gid']} ({p['mode']} mode) prepared {_jsonable(p['prepared'])}"
                            for p in report.prepared_transactions)))
@@ -281,9 +353,7 @@ def render_table(report: StatusReport) -> str:
     not_applied = [t for t in report.publication_tables if t["state"] != "published"]
     if report.publication_tables:
         rows.append(("published tables", f"{len(report.publication_tables)} followed" + "".join(
-            f"\n  {t['schema_name']}.{t['table_name']}: "
-            + ("no longer published: not applied, target rows kept" if t["state"] == "removed"
-               else "being copied (added to the publication)")
+            f"\n  {t['schema_name']}.{t['table_name']}: " + _PUBLICATION_STATES.get(t["state"], t["state"])
             for t in not_applied)))
     if report.schema_changes:
         rows.append(("schema changes", f"{len(report.schema_changes)} latest" + "".join(
@@ -291,9 +361,12 @@ def render_table(report: StatusReport) -> str:
     if report.change_feed:
         rows.append(("change feed", f"{len(report.change_feed)} table(s)" + "".join(
             f"\n  {_feed_line(row, progress)}" for row in report.change_feed)))
+    if report.repairs:
+        rows.append(("repairs", f"{len(report.repairs)} latest" + "".join(
+            f"\n  {_repair_line(row)}" for row in report.repairs)))
     if report.table_sync is not None:
         rows.append(("table sync", f"{len(report.table_sync)} table(s)" + "".join(
-            f"\n  {_table_sync_line(row)}" for row in report.table_sync)))
+            f"\n  {_table_sync_line(row, holder is not None)}" for row in report.table_sync)))
     spill = ("no spill directory on this machine" if report.spill_bytes is None
              else _size(report.spill_bytes))
     rows.append(("spill", f"{spill} in {report.spill_dir}"))

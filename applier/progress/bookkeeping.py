@@ -18,14 +18,14 @@ from psycopg import sql
 
 from ..protocol.lsn import LSN
 from ..queries import rows
-from .records import AppliedPosition, Progress, TableName
+from .records import AppliedPosition, Progress, SourceIdentity, TableName
 from .store import TableState
 
 __all__ = ["SqlBookkeeping"]
 
 #: Columns naming the kind of an event row in optional bookkeeping tables, most specific first.
 #: The bookkeeping tables whose rows say that a worker or a sync has run for a slot.
-RECORDS_OF_A_SLOT = ("progress", "table_sync", "publication_tables", "conflicts")
+RECORDS_OF_A_SLOT = ("progress", "table_sync", "publication_tables", "conflicts", "source_identity")
 _KIND_COLUMNS = ("conflict_type", "skip_reason", "kind", "type", "reason")
 
 
@@ -81,6 +81,15 @@ class SqlBookkeeping:
             sql.SQL("SELECT FROM {} WHERE slot_name = %(slot)s").format(sql.Identifier("applier", name))
             for name in tables))
         return bool(self._rows(query, {"slot": slot})[0][0])
+
+    def source_identity(self, slot: str) -> SourceIdentity | None:
+        """The source server the slot's progress comes from; None when not recorded (before
+        schema 0009, or before the slot's first session)."""
+        if "source_identity" not in self.tables():
+            return None
+        found = self._rows("SELECT system_identifier, timeline FROM applier.source_identity "
+                           "WHERE slot_name = %(slot)s", {"slot": slot})
+        return SourceIdentity(found[0][0], int(found[0][1])) if found else None
 
     def table_states(self, slot: str) -> dict[TableName, TableState]:
         rows = self._rows("SELECT schema_name, table_name, state, sync_lsn::text "
@@ -139,6 +148,26 @@ class SqlBookkeeping:
             "LIMIT %(limit)s", {"slot": slot, "limit": limit})
         return [dict(zip(columns, row)) for row in rows]
 
+    def skipped(self, slot: str) -> list[tuple[LSN, list[str]]]:
+        """The slot's skipped source transactions: (finish LSN, the tables they changed)."""
+        if "skipped_transactions" not in self.tables():
+            return []
+        return [(LSN.parse(r[0]), list(r[1])) for r in self._rows(
+            "SELECT finish_lsn::text, tables FROM applier.skipped_transactions "
+            "WHERE slot_name = %(slot)s ORDER BY id", {"slot": slot})]
+
+    def conflicts_by_table(self, slot: str) -> dict[str, dict[str, int]]:
+        """The slot's recorded conflicts: ``schema.table`` -> type -> how many."""
+        if "conflicts" not in self.tables():
+            return {}
+        found: dict[str, dict[str, int]] = {}
+        for table, kind, count in self._rows(
+                "SELECT table_schema || '.' || table_name, conflict_type, count(*) "
+                "FROM applier.conflicts WHERE slot_name = %(slot)s GROUP BY 1, 2 ORDER BY 1, 2",
+                {"slot": slot}):
+            found.setdefault(table, {})[kind] = int(count)
+        return found
+
     def tables_with_slots(self) -> list[str]:
         """The ``applier`` tables that hold rows per slot (a ``slot_name`` column), by name."""
         return [row[0] for row in self._rows(
@@ -147,9 +176,20 @@ class SqlBookkeeping:
             "WHERE n.nspname = 'applier' AND c.relkind IN ('r', 'p') "
             "AND a.attname = 'slot_name' AND NOT a.attisdropped ORDER BY 1")]
 
-    def slot_row_counts(self, slot: str) -> dict[str, int]:
-        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema)."""
+    def slots(self) -> list[str]:
+        """Every slot with a row in some bookkeeping table, by name."""
         tables = self.tables_with_slots()
+        if not tables:
+            return []
+        query = sql.SQL(" UNION ").join(
+            sql.SQL("SELECT slot_name FROM {}").format(sql.Identifier("applier", name))
+            for name in tables)
+        return sorted(row[0] for row in self._rows(query))
+
+    def slot_row_counts(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Rows ``slot`` has in each bookkeeping table that holds any (none before the schema),
+        but for the tables ``besides``."""
+        tables = [name for name in self.tables_with_slots() if name not in set(besides)]
         if not tables:
             return {}
         query = sql.SQL(" UNION ALL ").join(
@@ -158,10 +198,13 @@ class SqlBookkeeping:
         return {name: int(count) for name, count in self._rows(query, {"slot": slot}) if count}
 
     # -- writes --------------------------------------------------------------------------------------
-    def forget_slot(self, slot: str) -> dict[str, int]:
-        """Delete ``slot``'s rows from every bookkeeping table; the rows deleted, per table."""
+    def forget_slot(self, slot: str, *, besides: Iterable[str] = ()) -> dict[str, int]:
+        """Delete ``slot``'s rows from every bookkeeping table but the tables ``besides``; the
+        rows deleted, per table."""
         deleted = {}
         for name in self.tables_with_slots():
+            if name in set(besides):
+                continue
             count = self._rows(sql.SQL(
                 "WITH gone AS (DELETE FROM {} WHERE slot_name = %(slot)s RETURNING 1) "
                 "SELECT count(*) FROM gone").format(sql.Identifier("applier", name)),
@@ -169,6 +212,14 @@ class SqlBookkeeping:
             if count:
                 deleted[name] = int(count)
         return deleted
+
+    def record_source_identity(self, slot: str, identity: SourceIdentity) -> None:
+        """From now on the slot's progress comes from this source server."""
+        self._rows("INSERT INTO applier.source_identity (slot_name, system_identifier, timeline) "
+                   "VALUES (%(slot)s, %(system)s, %(timeline)s) ON CONFLICT (slot_name) DO UPDATE "
+                   "SET system_identifier = EXCLUDED.system_identifier, timeline = "
+                   "EXCLUDED.timeline, recorded_at = clock_timestamp()",
+                   {"slot": slot, "system": identity.system_identifier, "timeline": identity.timeline})
 
     def request_skip(self, slot: str, lsn: LSN) -> LSN | None:
         position = self._rows("SELECT commit_lsn::text FROM applier.progress "

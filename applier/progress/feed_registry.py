@@ -6,9 +6,10 @@ table with its pending and first partitions, columns the target table gained sin
 started again when the feed of a table is switched on again or the table was copied anew, and
 marked stopped when it is switched off), loading them for the apply stage, pruning old
 partitions (``prune``: never while a reader holds the feed's shared advisory lock, which
-``spark.reader.open_snapshot`` takes before its snapshot), and what status and the Spark reader
-read. Runs on whatever connection the caller holds (psycopg or SQLAlchemy, ``queries.rows``),
-inside the caller's transaction except where a method says it commits. SQL is composed with
+``spark.reader.open_snapshot`` takes before its snapshot), removing a retired slot's change feed
+(``remove``, for ``applier drop``), and what status and the Spark reader read. Runs on
+whatever connection the caller holds (psycopg or SQLAlchemy, ``queries.rows``), inside the
+caller's transaction except where a method says it commits. SQL is composed with
 psycopg.sql (``feed`` builds the statements the apply session sends). Must never apply a row
 change or decide which tables the feed records (the settings do).
 """
@@ -41,13 +42,15 @@ from .feed import (
 )
 from .records import TableName
 
-__all__ = ["FEED_LOCK", "FeedError", "FeedRegistry", "FeedStatus", "RetainedHistory"]
+__all__ = ["FEED_LOCK", "REGISTRY_TABLES", "FeedError", "FeedRegistry", "FeedStatus", "RetainedHistory"]
 
 log = logging.getLogger(__name__)
 
 #: Advisory lock (namespace 'APPF', key 0): readers of change tables hold it shared for the life
 #: of their snapshot, pruning takes it exclusively (and skips a round when it cannot).
 FEED_LOCK = (0x41505046, 0)
+#: The bookkeeping tables that describe change tables: their rows go (or stay) with them.
+REGISTRY_TABLES = ("change_tables", "change_partitions", "change_commits")
 
 
 class FeedError(ApplierError):
@@ -73,7 +76,7 @@ class FeedStatus:
     """One change table as ``applier status`` shows it."""
 
     table: str
-    change_table: str
+    change_table: str            # its SQL name: "applier_changes"."public.orders"
     retained_after: LSN          # every change committed after it is kept ...
     stopped_lsn: LSN | None      # ... up to here, or to the slot's applied position when None
     partitions: int              # regular partitions (the pending one is not counted)
@@ -269,6 +272,37 @@ class FeedRegistry:
                        {"slot": slot})
         return dropped
 
+    # -- retiring a replica (applier drop) ---------------------------------------------------------
+    def remove(self, slot: str) -> list[str]:
+        """Drop the slot's change tables (their partitions with them) and every row describing
+        them (``change_tables``, ``change_partitions``, ``change_commits``), then the
+        ``applier_changes`` schema when no other slot's change table is left in it; in the
+        caller's transaction. What was removed, for people."""
+        if not self.exists():
+            return []
+        removed = []
+        for (name,) in self._rows("SELECT change_table FROM applier.change_tables "
+                                  "WHERE slot_name = %(slot)s ORDER BY id", {"slot": slot}):
+            self._rows(sql.SQL("DROP TABLE IF EXISTS {}").format(sql.Identifier(SCHEMA, name)))
+            parts = self._rows("WITH gone AS (DELETE FROM applier.change_partitions WHERE "
+                               "change_table = %(name)s RETURNING 1) SELECT count(*) FROM gone",
+                               {"name": name})[0][0]
+            removed.append(f"dropped change table {sql.Identifier(SCHEMA, name).as_string()} "
+                           f"({parts} partition(s))")
+        for table in ("change_tables", "change_commits"):
+            count = self._rows(sql.SQL("WITH gone AS (DELETE FROM {} WHERE slot_name = %(slot)s "
+                                       "RETURNING 1) SELECT count(*) FROM gone").format(
+                sql.Identifier("applier", table)), {"slot": slot})[0][0]
+            if count:
+                removed.append(f"deleted {count} row(s) of applier.{table}")
+        if self._rows("SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %s", (SCHEMA,)) \
+                and not self._rows("SELECT 1 FROM applier.change_tables LIMIT 1") \
+                and not self._rows("SELECT 1 FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                                   "ON n.oid = c.relnamespace WHERE n.nspname = %s LIMIT 1", (SCHEMA,)):
+            self._rows(sql.SQL("DROP SCHEMA {}").format(sql.Identifier(SCHEMA)))
+            removed.append(f"dropped schema {SCHEMA}")
+        return removed
+
     # -- readers -----------------------------------------------------------------------------------
     def history(self, schema: str, table: str, slots: Iterable[str]) -> list[RetainedHistory]:
         """The change tables of ``schema.table`` for any of ``slots``, as this snapshot sees them."""
@@ -292,7 +326,7 @@ class FeedRegistry:
                 "FROM pg_catalog.pg_partition_tree(%(table)s::regclass) t "
                 "JOIN pg_catalog.pg_class c ON c.oid = t.relid WHERE t.isleaf",
                 {"table": change_table.ident.as_string()})[0]
-            result.append(FeedStatus(change_table.display, f"{SCHEMA}.{change_table.name}",
+            result.append(FeedStatus(change_table.display, change_table.ident.as_string(),
                                      change_table.retained_after, change_table.stopped_lsn,
                                      int(stats[0]) - 1, int(stats[1]), int(stats[2])))
         return result

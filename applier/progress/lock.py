@@ -8,14 +8,17 @@ successor). Must never touch the bookkeeping rows.
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass
+from typing import Any
 
 import psycopg
 
 from ..connections import connect
 from ..errors import ApplierError, Cause, TargetError
+from ..queries import rows
 from .schema import LOCK_NAMESPACE
 
-__all__ = ["AlreadyRunning", "WorkerLock"]
+__all__ = ["AlreadyRunning", "LockHolder", "WorkerLock", "lock_holder"]
 
 
 class AlreadyRunning(ApplierError):
@@ -23,6 +26,35 @@ class AlreadyRunning(ApplierError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, cause=Cause.NEEDS_OPERATOR)
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """The target session holding a slot's lock: a worker or a sync of that slot runs."""
+
+    backend_pid: int
+    application_name: str
+
+
+_HOLDER_SQL = """
+    SELECT a.pid, a.application_name FROM pg_catalog.pg_locks l
+    JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+    WHERE l.locktype = 'advisory' AND l.classid = %(ns)s::oid AND l.objid = %(key)s::oid
+      AND l.objsubid = 2 AND l.database = (SELECT oid FROM pg_catalog.pg_database
+                                           WHERE datname = pg_catalog.current_database())
+      AND l.granted
+"""
+
+
+def _key(slot: str) -> int:
+    return zlib.crc32(slot.encode()) - 2**31  # advisory keys are signed int4
+
+
+def lock_holder(conn: Any, slot: str) -> LockHolder | None:
+    """Who holds ``slot``'s lock on the target ``conn`` is connected to (None: no worker or
+    sync of the slot runs against it), read on any connection (psycopg or SQLAlchemy)."""
+    found = rows(conn, _HOLDER_SQL, {"ns": LOCK_NAMESPACE, "key": _key(slot) & 0xFFFFFFFF})
+    return LockHolder(int(found[0][0]), str(found[0][1] or "")) if found else None
 
 
 class WorkerLock:
@@ -40,18 +72,15 @@ class WorkerLock:
         key = self._key()
         got = conn.execute("SELECT pg_try_advisory_lock(%s, %s)", (LOCK_NAMESPACE, key)).fetchone()
         if not got or not got[0]:
-            holder = conn.execute(
-                "SELECT a.pid, a.application_name, a.client_addr FROM pg_locks l "
-                "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' "
-                "AND l.classid = %s::oid AND l.objid = %s::oid AND l.granted",
-                (LOCK_NAMESPACE, key & 0xFFFFFFFF)).fetchone()
+            holder = lock_holder(conn, self.slot)
             conn.close()
-            if holder and holder[0] == self._backend_pid:
+            if holder and holder.backend_pid == self._backend_pid:
                 # This worker's own lock session, whose connection was lost, has not ended yet.
                 raise TargetError(f"target: the lock of slot {self.slot!r} is still held by this "
-                                  f"worker's lost session (backend pid {holder[0]})",
+                                  f"worker's lost session (backend pid {holder.backend_pid})",
                                   cause=Cause.BUSY)
-            who = f" (target backend pid {holder[0]}, {holder[1]!r})" if holder else ""
+            who = (f" (target backend pid {holder.backend_pid}, {holder.application_name!r})"
+                   if holder else "")
             raise AlreadyRunning(f"another applier worker is already running for slot {self.slot!r} "
                                  f"on this target{who}; stop it first")
         self._conn = conn
@@ -82,4 +111,4 @@ class WorkerLock:
             self._conn = None
 
     def _key(self) -> int:
-        return zlib.crc32(self.slot.encode()) - 2**31  # advisory keys are signed int4
+        return _key(self.slot)

@@ -49,6 +49,7 @@ class _State:
     copy_xids: dict[str, set[int]] = field(default_factory=dict)
     table_sync: dict[tuple[str, TableName], TableState] = field(default_factory=dict)
     publication_tables: dict[tuple[str, TableName], str] = field(default_factory=dict)
+    source_types: dict[tuple[str, TableName], dict[str, tuple[int, int]]] = field(default_factory=dict)
     publication_relids: dict[tuple[str, TableName], int] = field(default_factory=dict)
 
 
@@ -147,6 +148,12 @@ class MemoryStore:
 
     def record_schema_change(self, change: SchemaChange) -> None:
         self._write(lambda state: state.schema_changes.append((self.slot, change)))
+
+    def source_types(self, table: TableName) -> dict[str, tuple[int, int]]:
+        return dict(self._view().source_types.get((self.slot, table), {}))
+
+    def record_source_types(self, table: TableName, types: dict[str, tuple[int, int]]) -> None:
+        self._write(lambda state: state.source_types.__setitem__((self.slot, table), dict(types)))
 
     def skip_request(self) -> LSN | None:
         return self._view().skip_requests.get(self.slot)

@@ -80,6 +80,15 @@ _SCHEMA_CHANGE = StoreStatement(
     "INSERT INTO applier.schema_changes (slot_name, source_lsn, table_schema, table_name, kind, "
     "statement) VALUES ($1, $2::pg_catalog.pg_lsn, $3, $4, $5, $6)")
 
+_SOURCE_TYPES = ("SELECT column_name, type_oid::pg_catalog.int8, type_modifier FROM "
+                 "applier.source_columns WHERE slot_name = $1 AND table_schema = $2 "
+                 "AND table_name = $3")
+_SOURCE_TYPES_FORGET = ("DELETE FROM applier.source_columns WHERE slot_name = $1 "
+                        "AND table_schema = $2 AND table_name = $3")
+_SOURCE_TYPE = ("INSERT INTO applier.source_columns (slot_name, table_schema, table_name, "
+                "column_name, type_oid, type_modifier) VALUES ($1, $2, $3, $4, "
+                "$5::pg_catalog.oid, $6::pg_catalog.int4)")
+
 _SKIP_REQUEST = "SELECT lsn::text FROM applier.skip_requests WHERE slot_name = $1"
 _SKIP_CLEAR = "DELETE FROM applier.skip_requests WHERE slot_name = $1 AND lsn = $2::pg_catalog.pg_lsn"
 _SKIPPED = (
@@ -184,6 +193,19 @@ class PostgresApplyStore:
         self.session.run(_SCHEMA_CHANGE, [
             self._slot, encode_lsn(change.source_lsn), change.table_schema.encode(),
             change.table_name.encode(), change.kind.encode(), change.statement.encode()], (0,) * 6)
+
+    def source_types(self, table: TableName) -> dict[str, tuple[int, int]]:
+        result = self.session.sql(_SOURCE_TYPES, [self._slot, table[0].encode(), table[1].encode()])
+        return {(_text(result.get_value(row, 0)) or ""): (int(_text(result.get_value(row, 1)) or 0),
+                                                         int(_text(result.get_value(row, 2)) or -1))
+                for row in range(result.ntuples)}
+
+    def record_source_types(self, table: TableName, types: dict[str, tuple[int, int]]) -> None:
+        key = [self._slot, table[0].encode(), table[1].encode()]
+        self.session.sql(_SOURCE_TYPES_FORGET, key)
+        for column, (type_oid, modifier) in types.items():
+            self.session.sql(_SOURCE_TYPE, [*key, column.encode(), str(type_oid).encode(),
+                                            str(modifier).encode()])
 
     # -- skip requests --------------------------------------------------------------------------
     def skip_request(self) -> LSN | None:

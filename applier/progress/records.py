@@ -12,7 +12,8 @@ from datetime import datetime
 from ..protocol.lsn import LSN
 
 __all__ = ["AppliedPosition", "ConflictRecord", "MessageRecord", "OriginRecord", "Position",
-           "PreparedHeader", "Progress", "SchemaChange", "SkippedTransaction", "TableName"]
+           "PreparedHeader", "Progress", "SchemaChange", "SkippedTransaction", "SourceIdentity",
+           "TableName"]
 
 TableName = tuple[str, str]  # (schema, table)
 
@@ -43,6 +44,15 @@ class Progress:
     end_lsn: LSN
     commit_time: datetime | None
     applied_at: datetime | None
+
+
+@dataclass(frozen=True)
+class SourceIdentity:
+    """The source server a slot's progress comes from (``applier.source_identity``): its system
+    identifier (a physical standby shares its primary's) and the timeline it was on."""
+
+    system_identifier: str
+    timeline: int
 
 
 @dataclass(frozen=True)

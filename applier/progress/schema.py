@@ -25,7 +25,7 @@ __all__ = ["LOCK_NAMESPACE", "MIGRATIONS_DIR", "SCHEMA_HEAD", "SchemaError", "en
 
 #: The newest migration's revision (a unit test holds it to alembic's own head). A schema already
 #: there needs neither alembic nor SQLAlchemy (``ensure_schema``).
-SCHEMA_HEAD = "0008"
+SCHEMA_HEAD = "0011"
 
 #: Advisory lock namespace (first key) for applier; the second key identifies what is locked.
 LOCK_NAMESPACE = 0x4150504C  # 'APPL'

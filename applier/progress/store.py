@@ -118,6 +118,12 @@ class ApplyStore(Protocol):
 
     def record_schema_change(self, change: SchemaChange) -> None: ...
 
+    def source_types(self, table: TableName) -> dict[str, tuple[int, int]]:
+        """Column -> (type OID, modifier) of the source table as last recorded (none yet: {})."""
+
+    def record_source_types(self, table: TableName, types: dict[str, tuple[int, int]]) -> None:
+        """The source table's columns and types as of now, replacing what was recorded."""
+
     def skip_request(self) -> LSN | None: ...
 
     def drop_skip_request(self, lsn: LSN) -> None: ...

@@ -30,6 +30,7 @@ from ..errors import Cause, SourceError, cause_of, cause_of_sqlstate
 from ..libpq import Binding, pointer
 from ..protocol.lsn import LSN, PG_EPOCH
 from ..quoting import ident
+from .lineage import SourceLineage, read_lineage
 from .options import StreamOptions
 
 __all__ = ["ReplicationStream", "SourceError", "XLogData", "classify",
@@ -43,8 +44,9 @@ _KEEPALIVE = struct.Struct(">QQB")
 _STATUS = struct.Struct(">cQQQQB")
 #: A confirmed position that moved is reported after this many seconds at most (the full status
 #: interval applies only when nothing moved): the slot releases WAL, and its confirmed position
-#: (what operators watch) follows the apply closely, as with PostgreSQL's own subscriber.
-PROGRESS_REPORT_INTERVAL = 1.0
+#: (what operators watch, and what a catch-up waits for) follows the apply closely, as with
+#: PostgreSQL's own subscriber, which reports every move. A status update is a few dozen bytes.
+PROGRESS_REPORT_INTERVAL = 0.1
 #: Seconds without anything from the server after which the stream is taken for dead (half of it
 #: without anything: a reply is asked for). PostgreSQL's wal_receiver_timeout defaults to this.
 RECEIVE_TIMEOUT = 60.0
@@ -125,6 +127,8 @@ class ReplicationStream:
         self.status_interval = status_interval
         self._conninfo = replication_conninfo(dsn, client_encoding)
         self._conn: psycopg.Connection | None = None
+        #: The server this connection reached, as it said before streaming (``read_lineage``).
+        self.lineage: SourceLineage | None = None
         self.received_lsn = LSN(0)     # highest position the server has sent us (data or keepalive)
         self.flush_lsn = LSN(0)        # durable on the target: the only position we ever confirm
         self.keepalive_wal_end = LSN(0)
@@ -146,6 +150,7 @@ class ReplicationStream:
         except psycopg.Error as exc:
             raise classify(exc) from exc
         self._take = None
+        self.lineage = None
         return self._conn
 
     @property
@@ -165,6 +170,15 @@ class ReplicationStream:
             raise classify(exc) from exc
         assert row is not None
         return row[0], int(row[1]), LSN.parse(row[2])
+
+    def read_lineage(self) -> SourceLineage:
+        """Which server this connection reached: its identity, timeline history and the slot as
+        it has it (``lineage.read_lineage``); only before ``start``."""
+        try:
+            self.lineage = read_lineage(self.connection, self.slot)
+        except psycopg.Error as exc:
+            raise classify(exc) from exc
+        return self.lineage
 
     def start(self, start_lsn: LSN, *, wait_for_slot: bool = True) -> None:
         """START_REPLICATION from ``start_lsn``; the server begins at max(it, confirmed_flush).

@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
-from ..connections import connect
+from ..connections import connect, reached
 from ..progress.feed_registry import FEED_LOCK
 from ..quoting import literal
 
@@ -143,7 +143,9 @@ def open_snapshot(dsn: str, *, slot: str | None = None) -> Snapshot:
         if slot is not None and not positions:
             raise LookupError(f"no applier.progress row for slot {slot!r} in {database_label(dsn)}: "
                               "has the worker applied anything through it?")
-        return Snapshot(dsn, conn, ReadPosition(snapshot_id, wal_lsn, tuple(positions)),
+        # Partitions import the snapshot, which only this server has: of a DSN naming several
+        # hosts, they name the one reached here.
+        return Snapshot(reached(dsn, conn), conn, ReadPosition(snapshot_id, wal_lsn, tuple(positions)),
                         history_locked)
     except BaseException:
         conn.close()

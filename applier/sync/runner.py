@@ -25,7 +25,7 @@ import psycopg
 from sqlalchemy import Engine
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from ..config import Settings, mask_dsn
+from ..config import ConfigError, Settings, mask_dsn
 from ..errors import Directive, cause_of, decide
 from ..exit_codes import ExitCode
 from ..lifecycle.sequences import synchronise_sequences
@@ -39,7 +39,7 @@ from ..worker import run
 from .catalog import published_tables
 from .copy import CopyStopped
 from .snapshot import source_session
-from .tables import CopyRound, copy_round
+from .tables import CopyRound, complete_constraints, copy_round
 
 __all__ = ["Syncer", "run_sync"]
 
@@ -108,7 +108,9 @@ class Syncer:
         settings = self.settings
         problems = check_start(settings.required("source"), settings.required("target"),
                                slot=self.slot, publications=settings.publication,
-                               create_tables=bool(settings.create_tables), copy=True)
+                               create_tables=bool(settings.create_tables), copy=True,
+                               failover_slot=settings.failover_slot,
+                               two_phase=bool(settings.two_phase))
         if problems:
             raise PreflightFailed(problems)
 
@@ -141,6 +143,8 @@ class Syncer:
         todo = [t for t in tables if t.key not in done]
         if not todo and not fresh:
             log.info("all %d published tables are already copied for slot %r", len(tables), self.slot)
+            if settings.create_tables:
+                complete_constraints(settings, tables)
             return
         ours = frozenset(k for k, s in states.items() if s.state == "copying")
         copy_round(settings, engine, CopyRound(self.slot, todo, fresh, ours), self.stop_requested)
@@ -156,6 +160,8 @@ def run_sync(settings: Settings) -> int:
     try:
         if not Syncer(settings).run():
             return ExitCode.OK
+    except ConfigError:
+        raise  # an option the source cannot honour: the command line reports it (exit 2)
     except PreflightFailed as exc:
         count = len(exc.problems)
         log.error("applier sync cannot start (nothing was created); fix %s and run it again:\n%s",

@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from ..errors import Cause, SourceError
+from ..progress.records import SourceIdentity
 from ..protocol.lsn import LSN
 from ..quoting import ident
 from ..source.stream import classify, replication_conninfo
@@ -42,10 +43,11 @@ def source_session(dsn: str, client_encoding: str, application_name: str) -> psy
     return conn
 
 
-def temporary_slot_name(slot: str) -> str:
-    """A name for the resumed sync's temporary slot: valid, at most 63 bytes, unique per process."""
+def temporary_slot_name(slot: str, purpose: str = "sync") -> str:
+    """A name for a temporary slot taken for ``slot`` (a resumed sync's, a verify's): valid, at
+    most 63 bytes, unique per process and purpose."""
     stem = "".join(ch if ch.isalnum() and ch.isascii() else "_" for ch in slot.lower())[:40]
-    return f"{stem}_sync_{os.getpid()}"
+    return f"{stem}_{purpose}_{os.getpid()}"
 
 
 @dataclass
@@ -57,17 +59,22 @@ class ExportedSnapshot:
     temporary: bool
     consistent_point: LSN
     name: str
+    #: The server the slot was created on (IDENTIFY_SYSTEM just before).
+    source: SourceIdentity
     _conn: psycopg.Connection
 
     @classmethod
-    def create(cls, dsn: str, slot: str, *, temporary: bool, two_phase: bool) -> ExportedSnapshot:
+    def create(cls, dsn: str, slot: str, *, temporary: bool, two_phase: bool,
+               failover: bool = False) -> ExportedSnapshot:
+        """``failover``: a failover slot (PostgreSQL 17+; ``slots.failover_slot`` decides)."""
         conn = psycopg.connect(replication_conninfo(dsn), autocommit=True)
         version = conn.info.server_version
         command = f"CREATE_REPLICATION_SLOT {ident(slot)}"
         if temporary:
             command += " TEMPORARY"
         if version >= 150000:
-            options = ["SNAPSHOT 'export'"] + (["TWO_PHASE"] if two_phase else [])
+            options = (["SNAPSHOT 'export'"] + (["TWO_PHASE"] if two_phase else [])
+                       + (["FAILOVER"] if failover else []))
             command += f" LOGICAL pgoutput ({', '.join(options)})"
         elif two_phase:
             conn.close()
@@ -75,6 +82,9 @@ class ExportedSnapshot:
         else:
             command += " LOGICAL pgoutput EXPORT_SNAPSHOT"
         try:
+            identified = conn.execute("IDENTIFY_SYSTEM").fetchone()
+            assert identified is not None
+            source = SourceIdentity(str(identified[0]), int(identified[1]))
             row = conn.execute(command).fetchone()
         except psycopg.Error as exc:
             conn.close()
@@ -82,9 +92,10 @@ class ExportedSnapshot:
             raise SourceError(f"source: cannot create slot {slot!r}: {str(exc).strip()}",
                               cause=error.cause, sqlstate=error.sqlstate) from exc
         assert row is not None
-        snapshot = cls(slot, temporary, LSN.parse(row[1]), row[2], conn)
-        log.info("created %sslot %r at %s with exported snapshot %s",
-                 "temporary " if temporary else "", slot, snapshot.consistent_point, snapshot.name)
+        snapshot = cls(slot, temporary, LSN.parse(row[1]), row[2], source, conn)
+        log.info("created %s%sslot %r at %s with exported snapshot %s",
+                 "temporary " if temporary else "", "failover " if failover else "", slot,
+                 snapshot.consistent_point, snapshot.name)
         return snapshot
 
     def begin(self, conn: psycopg.Connection) -> None:

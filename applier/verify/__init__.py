@@ -2,13 +2,15 @@
 
 Owns: choosing the tables to compare (every table of the publications, their published columns
 and row filters, or a chosen list: :mod:`.publications`), reading both sides at consistent points
-(the source in one REPEATABLE READ snapshot, the target in one snapshot together with the
-position it had applied: :mod:`.snapshots`), comparing row counts and per-key-range hashes, then
-the rows of the ranges that differ (in the databases, :mod:`.sql`, or with ``--engine spark``,
-:mod:`.spark`), and reporting equal or exactly which keys are missing, extra or changed, as a
-table or JSON (:mod:`.report`), in rounds until equal or out of time (:mod:`.command`). Must
-never write to either database; the SQL engine must never need PySpark (:mod:`.spark` is
-imported only when asked for).
+(while the replica's worker runs, both at one source position it holds at: :mod:`.held`;
+otherwise the source in one REPEATABLE READ snapshot, the target in one snapshot together with
+the position it had applied: :mod:`.snapshots`), comparing row counts and per-key-range hashes,
+then the rows of the ranges that differ (in the databases, :mod:`.sql`, or with ``--engine
+spark``, :mod:`.spark`), and reporting equal or exactly which keys are missing, extra or changed,
+and what ``--repair`` would do, as a table or JSON (:mod:`.report`), in one round at a held
+position or in rounds until equal or out of time (:mod:`.command`). Must never write to either
+database but the hold request (``--repair`` is :mod:`applier.repair`'s); the SQL engine must
+never need PySpark (:mod:`.spark` is imported only when asked for).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import sql
 
-from .report import MAX_RANGES, ROWS_PER_RANGE, TableResult, TableSpec
+from .report import MAX_RANGES, REPAIR_KEYS, ROWS_PER_RANGE, TableResult, TableSpec
 from .snapshots import Snapshots
 
 __all__ = ["compare_sql", "count_sql"]
@@ -134,7 +134,7 @@ def count_sql(snaps: Snapshots, spec: TableSpec) -> TableResult:
 def compare_sql(snaps: Snapshots, spec: TableSpec, max_keys: int) -> TableResult:
     """Compare one table in the databases: range sums first, rows only where they differ; list
     at most ``max_keys`` keys per kind of difference (the counts are always complete)."""
-    result = TableResult(spec.display, key=list(spec.key or ["row"]))
+    result = TableResult(spec.display, key=list(spec.key or ["row"]), keyed=bool(spec.key))
     if missing := _missing_columns(snaps.target, spec):
         result.error = f"missing on the target: {', '.join(missing)}"
         return result
@@ -170,6 +170,8 @@ def _classify(result: TableResult, spec: TableSpec, source_rows: Iterable[Sequen
         extra = sorted(((r,) for r in (target_count - source_count).elements()), key=_sort_key)
         changed = []
     result.missing_count, result.extra_count, result.changed_count = len(missing), len(extra), len(changed)
+    if spec.key:
+        result.differing_keys = [list(k) for k in (missing + extra + changed)[:REPAIR_KEYS + 1]]
     result.missing = [list(k) for k in missing[:max_keys]]
     result.extra = [list(k) for k in extra[:max_keys]]
     result.changed = [list(k) for k in changed[:max_keys]]

@@ -2,8 +2,9 @@
 
 A worker consumes one logical replication slot on the source and keeps one target database equal
 to the source's published tables, applying every source transaction exactly once and in commit
-order. Owns the worker's start (with ``--create-slot``, the checks of both servers before anything
-is created: ``applier.preflight``; bookkeeping schema, the single-worker lock, a skip request given
+order. Owns the worker's start (the checks of both servers before anything is created: with
+``--create-slot`` ``applier.preflight``'s, else the slot, publications and finished copy;
+bookkeeping schema, the single-worker lock, a skip request given
 on the command line), its sessions one after another (``session.ReplicationSession``), what
 happens between them (the error policy, ``applier.errors``, decides: a new session after a
 backoff, one at once, or a stop with advice), and its stop (SIGTERM or SIGINT end it between
@@ -39,14 +40,15 @@ from ..apply.skipping import describe_request
 from ..assembler.buffer import default_spill_dir
 from ..config import ConfigError, Settings, mask_dsn
 from ..connections import connect
-from ..errors import ApplierError, ApplyError, Cause, Directive, cause_of, decide
+from ..errors import ApplierError, ApplyError, Cause, Directive, SourceError, cause_of, decide
 from ..exit_codes import ExitCode
 from ..headstart import HeadStart
 from ..ops.metrics import Telemetry
-from ..preflight import PreflightFailed, check_start
+from ..preflight import PreflightFailed, check_source, check_start
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.lock import WorkerLock
 from ..progress.schema import ensure_schema
+from ..progress.store import sync_lsns
 from .loop import StopRequested
 from .retention import FeedRetention
 from .session import ReplicationSession, SessionState
@@ -103,10 +105,9 @@ class Worker:
         retention: FeedRetention | None = None
         try:
             self.telemetry.start()
-            if self.settings.create_slot:
-                # Before the bookkeeping schema or the slot is created: a start that cannot
-                # succeed must leave nothing behind on either server.
-                self._with_retry(self._preflight)
+            # Before the bookkeeping schema, the slot or an origin is created: a start that
+            # cannot succeed must leave nothing behind on either server.
+            self._with_retry(self._preflight if self.settings.create_slot else self._check_start)
             self._with_retry(lambda: ensure_schema(self.settings.required("target")))
             self._with_retry(lock.acquire)
             log.info("worker for slot %r started: source %s, target %s", self.slot,
@@ -148,12 +149,33 @@ class Worker:
         settings = self.settings
         problems = check_start(settings.required("source"), settings.required("target"),
                                slot=self.slot, publications=settings.publication,
-                               create_tables=bool(settings.create_tables), copy=False)
+                               create_tables=bool(settings.create_tables), copy=False,
+                               failover_slot=settings.failover_slot,
+                               two_phase=bool(settings.two_phase))
         if problems:
             count = len(problems)
             raise WorkerFailed(f"applier run --create-slot cannot start (nothing was created); "
                                f"fix {'this' if count == 1 else f'these {count} problems'} and "
                                f"run it again:\n{PreflightFailed(problems)}")
+
+    def _check_start(self) -> None:
+        """Without --create-slot: the slot and the publications exist on the source, and no
+        initial copy of the slot is unfinished on the target (``SyncIncomplete``), but for the
+        copies of tables added to a publication, which the worker finishes itself."""
+        settings = self.settings
+        with connect(settings.required("source"), autocommit=True,
+                     application_name="applier check") as control:
+            problems = check_source(control, slot=self.slot, publications=settings.publication,
+                                    create_slot=False)
+        if problems:
+            raise SourceError("; ".join(problems), cause=Cause.NEEDS_OPERATOR)
+        with connect(settings.required("target"), autocommit=True) as conn:
+            store = SqlBookkeeping(conn)
+            if "table_sync" in store.tables():
+                own = {table for table, state in store.publication_tables(self.slot).items()
+                       if state == "copying"}
+                sync_lsns(self.slot, {table: (state.state, None) for table, state
+                                      in store.table_states(self.slot).items() if table not in own})
 
     def _request_skip(self) -> None:
         lsn = self.settings.skip_lsn

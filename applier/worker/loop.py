@@ -64,7 +64,8 @@ class StreamLoop:
                  gate: IngestGate, control: psycopg.Connection, slot: str,
                  flushed_wal_lsn: Callable[[], LSN], caught_up: CaughtUp | None,
                  stop_requested: Callable[[], bool], progress_interval: float = 10.0,
-                 check_publications: Callable[[], None] | None = None) -> None:
+                 check_publications: Callable[[], None] | None = None,
+                 requests: Callable[[], None] | None = None) -> None:
         self.stream = stream
         self.assembler = assembler
         self.applier = applier
@@ -81,6 +82,8 @@ class StreamLoop:
         self._rewrite_failed_for: LSN | None = None
         self.progress = ProgressLog(applier.counts, progress_interval)
         self.check_publications = check_publications
+        #: Between source transactions: the requests of applier resync and verify (``requests``).
+        self.requests = requests
 
     def committed(self, end_lsn: LSN, target_lsn: LSN | None) -> None:
         """A target commit covering source ``end_lsn`` (the apply stage's ``on_commit``)."""
@@ -136,6 +139,9 @@ class StreamLoop:
                     confirmed = unflushed.all_durable()
                     if confirmed is not None:
                         stream.confirm(confirmed)
+                        # The stream is quiet: tell the slot now rather than at the next status
+                        # update (a second later at most), as PostgreSQL's subscriber does.
+                        stream.send_status()
                 else:
                     self._rewrite_failed_for = latest.source_end
             if unflushed and time.monotonic() - last_flush_check >= 0.1 and assembler.between_transactions:
@@ -143,6 +149,8 @@ class StreamLoop:
                 if confirmed is not None:
                     stream.confirm(confirmed)
                 last_flush_check = time.monotonic()
+            if self.requests is not None and assembler.between_transactions:
+                self.requests()  # every so often: a table to copy again, a position to hold at
             if not assembler.idle:
                 continue
             if self.check_publications is not None and not applier.holds_uncommitted:
@@ -152,6 +160,7 @@ class StreamLoop:
                 # durable, so the position it last reported having sent is safe to confirm too.
                 if stream.keepalive_wal_end > stream.flush_lsn:
                     stream.confirm(stream.keepalive_wal_end)
+                    stream.send_status_if_due()
                 elif caught_up is not None and stream.flush_lsn < caught_up.goal:
                     # Ask for a keepalive: its WAL end tells us when nothing more is coming.
                     stream.send_status(reply_requested=True)

@@ -1,13 +1,16 @@
 """The slot's publications followed while the worker runs: tables added are copied, tables
-removed are no longer applied.
+removed are no longer applied, tables ``applier resync`` marked are copied again.
 
 Owns which tables the worker follows (``applier.publication_tables``: published, copying,
-removed), noticing a change (a Relation message naming a table the session does not follow, or
-the periodic look at the publications) and copying the tables added. A table is copied at the
-start of a session, before the stream starts: one added while the worker was stopped, or whose
-copy was interrupted, or one noticed while streaming (the session then ends at once to start
-again, so that no target transaction of this worker is open while the copy's snapshot is taken,
-which waits for every transaction running on the source's server to end). The copy is ``applier
+removed, resync), noticing a change (a Relation message naming a table the session does not
+follow, or the periodic look at the publications) and copying the tables added. A table is
+copied at the start of a session, before the stream starts: one added while the worker was
+stopped, or whose copy was interrupted, or marked for resync while no worker ran, or one noticed
+while streaming (the session then ends at once to start again, so that no target transaction of
+this worker is open while the copy's snapshot is taken, which waits for every transaction
+running on the source's server to end). A table marked for resync while the worker streams is
+copied beside the stream (``resync.RunningCopy``), unless the change feed records it or a
+streamed transaction is open in the early session: then the session starts again too. The copy is ``applier
 sync``'s (``sync.tables.copy_round``) from a temporary slot's snapshot whose consistent point is
 the table's sync LSN: the apply stage skips that table's changes of transactions committed
 before it (they are in the copy) and applies the later ones, so there is no gap and no overlap.
@@ -35,10 +38,14 @@ from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..progress.bookkeeping import SqlBookkeeping
 from ..progress.records import TableName
+from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..sync.catalog import PublishedTable, published_tables
+from ..sync.copy import CopyStopped
 from ..sync.tables import CopyRound, copy_round
+from .loop import StopRequested
+from .resync import RunningCopy
 
 __all__ = ["CHECK_SECONDS", "PublicationChanged", "PublicationFollower"]
 
@@ -189,7 +196,8 @@ class PublicationFollower:
     def _follow(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
         names = self._names(tables)
         self._remove(set(names))
-        todo = [t for key, t in names.items() if self._known.get(key) in (None, "removed", "copying")]
+        todo = [t for key, t in names.items()
+                if self._known.get(key) in (None, "removed", "copying", "resync")]
         copied: dict[TableName, LSN] = {}
         if todo:
             copied = self._copy(todo)
@@ -198,19 +206,53 @@ class PublicationFollower:
 
     def _copy(self, tables: list[PublishedTable]) -> dict[TableName, LSN]:
         names = ", ".join(t.sql_name for t in tables)
-        ours = frozenset(t.key for t in tables if self._known.get(t.key) in ("removed", "copying"))
-        log.info("copying %s (added to the publication) before streaming", names)
+        ours = frozenset(t.key for t in tables
+                         if self._known.get(t.key) in ("removed", "copying", "resync"))
+        keys = [t.key for t in tables]
+        log.info("copying %s (added to the publication, or marked by applier resync) before "
+                 "streaming", names)
         started = time.monotonic()
-        self._set([t.key for t in tables], "copying")
+        self._set(keys, "copying")
         with connect(self.target) as conn:
             SqlBookkeeping(conn).set_publication_relids(self.slot, {t.key: t.oid for t in tables})
+            Repairs(conn).resync_started(self.slot, keys)
         self._followed.update({t.oid: t.key for t in tables})
-        lsn = copy_round(self.settings, make_engine(self.target), CopyRound(self.slot, tables, False, ours),
-                         self.stop)
-        self._set([t.key for t in tables], "published")
+        try:
+            lsn = copy_round(self.settings, make_engine(self.target),
+                             CopyRound(self.slot, tables, False, ours), self.stop)
+        except CopyStopped:
+            raise StopRequested() from None  # SIGTERM: the next start copies them again
+        with connect(self.target) as conn:
+            Repairs(conn).copies_done(self.slot, keys, lsn)  # published again
+        self._known.update(dict.fromkeys(keys, "published"))
         log.info("copied %s in %.1f s (sync LSN %s): its changes from then on are applied", names,
                  time.monotonic() - started, lsn)
         return {t.key: lsn for t in tables}
+
+    def resync(self, tables: list[TableName], beside_stream: bool) -> RunningCopy | None:
+        """Tables marked by applier resync while streaming: their copy beside the stream (to be
+        opened and started), or ``PublicationChanged`` when it must be made before streaming
+        (``beside_stream`` False); None when none of them can be copied now."""
+        published = self._published()
+        if published is None:
+            return None  # the catalog is busy: the tables stay marked, the next look takes them
+        by_key = self._names(published)
+        gone = [key for key in tables if key not in by_key]
+        if gone:
+            log.warning("not copied again: %s no longer published", ", ".join(f"{s}.{t}" for s, t in gone))
+            self._set(gone, "removed")
+        todo = [by_key[key] for key in tables if key in by_key]
+        if not todo:
+            return None
+        if not beside_stream:
+            raise PublicationChanged(f"{', '.join(t.sql_name for t in todo)} to be copied again "
+                                     "(applier resync): the session starts again to copy it first")
+        self._known.update(dict.fromkeys((t.key for t in todo), "copying"))
+        return RunningCopy(self.settings, self.slot, todo)
+
+    def copied(self, tables: list[TableName]) -> None:
+        """A copy beside the stream committed (it recorded the tables as published itself)."""
+        self._known.update(dict.fromkeys(tables, "published"))
 
     def _set(self, tables: list[TableName], state: str) -> None:
         with connect(self.target) as conn:

@@ -710,10 +710,13 @@ def test_peek_does_not_consume(src: Source, capsys: pytest.CaptureFixture[str]) 
     # Nothing was consumed: a second peek sees the very same messages.
     assert _peek(capsys, src, "--slot", "peek", "--messages") == first
     # The SQL interface gives the same messages and fields. Its row LSNs equal the XLogData
-    # start, except where the walsender sends 0/0 (messages written ahead of another one).
+    # start, except where the walsender sends 0/0 (a message written ahead of another one, the
+    # relation), which shows as no position rather than a false one.
     over_sql = _peek(capsys, src, "--slot", "peek", "--messages", "--sql")
     assert _without_lsn(over_sql) == _without_lsn(first)
-    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] != "0/0")
+    assert relation["lsn"] is None and over_sql[1]["lsn"] is not None
+    assert all(line["lsn"] is not None for line in first if line["type"] != "relation")
+    assert all(a["lsn"] == b["lsn"] for a, b in zip(first, over_sql) if a["lsn"] is not None)
     assert _peek(capsys, src, "--slot", "peek", "--limit", "2") == first[:2]
     assert src.confirmed_flush("peek") == confirmed
 
@@ -768,7 +771,9 @@ def test_peek_on_a_slot_in_use_names_its_holder_at_once(src: Source) -> None:
     src.create_slot("peek")
     with src.open("peek", 1) as reader:
         holder = reader.stream.connection.info.backend_pid
-        for args in ((), ("--sql",)):  # the SQL interface cannot read an active slot either
+        # The SQL interface cannot read an active slot either; --limit 0 prints nothing, but
+        # checks the slot all the same.
+        for args in ((), ("--sql",), ("--limit", "0"), ("--limit", "0", "--sql")):
             started = time.monotonic()
             proc = _peek_cli(src, "--slot", "peek", "--publication", "pub", *args)
             assert time.monotonic() - started < 8, proc.stderr
@@ -792,6 +797,13 @@ def test_peek_cli_errors(src: Source) -> None:
         assert "PostgreSQL 16" in fails("--origin", "none")
     assert "two_phase" in fails("--two-phase")  # the slot has none; peek must not turn it on
     assert "does not exist" in fails(publication="nope")
+    for args in (("--limit", "0"), ("--limit", "0", "--sql")):  # checked, and nothing printed
+        assert _peek_cli(src, "--slot", "peek", "--publication", "pub", *args).returncode == 0
+        assert "does not exist" in fails(*args, publication="nope")
+    negative = _peek_cli(src, "--slot", "peek", "--publication", "pub", "--limit", "-3")
+    assert negative.returncode == 2 and negative.stdout == "", negative.stderr
+    assert negative.stderr.splitlines()[0] == "applier peek: error: limit must not be negative"
+    assert "Traceback" not in negative.stderr
     proc = _peek_cli(src, "--slot", "missing", "--publication", "pub")
     assert proc.returncode == 1 and "'missing' does not exist" in proc.stderr
     dsn = "host=127.0.0.1 port=1 user=postgres password=hunter2secret dbname=x"

@@ -106,3 +106,62 @@ def test_keep_bookkeeping_and_a_refused_confirmation(source_db, target_db) -> No
     assert drop(settings, lambda question: "yes") == ExitCode.OK
     assert slots(source_db) == [] and origins(target_db) == []
     assert target_db.query("SELECT slot_name FROM applier.progress") == [("s",)]
+
+
+def _sync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
+                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                           "--exit-when-caught-up", "--change-feed", "all", *extra],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _feed(target_db) -> dict[str, object]:
+    return {
+        "schema": target_db.query("SELECT count(*) FROM pg_namespace WHERE nspname = 'applier_changes'")[0][0],
+        "tables": target_db.query("SELECT count(*) FROM applier.change_tables")[0][0],
+        "partitions": target_db.query("SELECT count(*) FROM applier.change_partitions")[0][0],
+        "commits": target_db.query("SELECT count(*) FROM applier.change_commits")[0][0],
+    }
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_change_feed_goes_with_the_replica_and_a_resync_works(source_db, target_db,
+                                                                   keep: bool) -> None:
+    """Drop removes the change feed (its tables, partitions and their registry rows, and the
+    schema once empty) unless --keep-change-feed, which it then says; a sync of the same slot
+    name afterwards, recording the feed again, works either way."""
+    source_db.execute("CREATE TABLE counters (id int PRIMARY KEY, n int)")
+    source_db.execute("INSERT INTO counters SELECT g, 0 FROM generate_series(1, 100) g")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE counters")
+    _sync(source_db, target_db, "--create-tables")
+    source_db.execute("UPDATE counters SET n = n + 1 WHERE id <= 10")
+    run_worker(source_db, target_db, "--change-feed", "all")
+    assert _feed(target_db) == {"schema": 1, "tables": 1, "partitions": 1, "commits": 1}
+
+    done = run_drop(source_db, target_db, "--yes", *(["--keep-change-feed"] if keep else []))
+    assert done.returncode == 0, done.stderr
+    if keep:
+        assert 'kept the change feed of slot \'s\' (--keep-change-feed): "applier_changes".' \
+            '"public.counters"' in done.stdout, done.stdout
+        assert _feed(target_db) == {"schema": 1, "tables": 1, "partitions": 1, "commits": 1}
+    else:
+        assert 'change table "applier_changes"."public.counters" of public.counters' in done.stdout
+        assert 'dropped change table "applier_changes"."public.counters" (1 partition(s))' \
+            in done.stdout, done.stdout
+        assert "dropped schema applier_changes" in done.stdout, done.stdout
+        assert _feed(target_db) == {"schema": 0, "tables": 0, "partitions": 0, "commits": 0}
+    kept = "slot(s) 's' still have rows in it" if keep else "no slot has rows in it any more"
+    assert f"kept the bookkeeping schema applier: {kept}" in done.stdout, done.stdout
+    assert slots(source_db) == []
+
+    source_db.execute("UPDATE counters SET n = n + 10 WHERE id > 90")
+    _sync(source_db, target_db, "--truncate-target")
+    source_db.execute("UPDATE counters SET n = -1 WHERE id = 1")
+    run_worker(source_db, target_db, "--change-feed", "all")
+    assert source_db.query("SELECT * FROM counters ORDER BY id") == \
+        target_db.query("SELECT * FROM counters ORDER BY id")
+    # The feed records from the new copy on: the one update after it, not the old history.
+    assert target_db.query('SELECT id, n, change_op FROM applier_changes."public.counters"') == \
+        [(1, -1, "U")]

@@ -89,7 +89,7 @@ def test_metrics_health_and_status(source_db, target_db, tmp_path: Path) -> None
         assert sample(text, "applier_rows_applied_total", slot="s", type="insert") == 51
         assert sample(text, "applier_rows_applied_total", type="update") == 10
         assert sample(text, "applier_rows_applied_total", type="delete") == 5
-        assert sample(text, "applier_conflicts_total", table='"public"."t"', type="insert_exists") == 1, text
+        assert sample(text, "applier_conflicts_total", table="public.t", type="insert_exists") == 1, text
         assert sample(text, "applier_received_bytes_total") > 0
         assert sample(text, "applier_connected") == 1
         # The conflict made the fast path hand its batch back: one careful redo session.

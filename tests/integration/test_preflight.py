@@ -214,6 +214,19 @@ def test_run_create_slot_with_a_missing_publication_leaves_no_slot(source_db, ta
                            "current_database()") == []
 
 
+def test_run_on_a_missing_slot_creates_nothing(source_db, target_db) -> None:
+    """Without --create-slot, the slot and publications are checked before the bookkeeping
+    schema is created: a start that cannot stream leaves an empty target empty."""
+    replicated_table(source_db, target_db, with_slot=False)
+    done = run_worker(source_db, target_db, slot="nosuch", expect_rc=1)
+    assert "replication slot 'nosuch' does not exist" in done.stderr, done.stderr
+    assert_nothing_created(source_db, target_db)
+    source_db.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+    done = run_worker(source_db, target_db, publication="nopub", expect_rc=1)
+    assert "'nopub'" in done.stderr, done.stderr
+    assert target_db.query("SELECT nspname FROM pg_namespace WHERE nspname = 'applier'") == []
+
+
 # -- publications, tables and columns -----------------------------------------------------------
 
 ACCOUNTS = "CREATE TABLE accounts (id int PRIMARY KEY, owner text, balance numeric)"

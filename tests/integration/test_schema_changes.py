@@ -173,13 +173,128 @@ def test_a_column_added_inside_a_prepared_transaction(source_db, target_db, mode
     assert [kind for kind, _ in _changes(target_db)] == ["add_column"]
 
 
+@pytest.mark.parametrize("while_running", [True, False])
+def test_a_type_change_that_is_no_widening_stops_at_its_relation(source_db, target_db, tmp_path: Path,
+                                                                 while_running: bool) -> None:
+    """integer -> text on the source: '7' would fit the target's integer column, but the next
+    'abc' would not; the worker stops at the first row of the new type, naming the column and
+    both types, whether the change comes while it runs or while it is stopped."""
+    _table(source_db, target_db, "id int PRIMARY KEY, v int")
+    source_db.execute("INSERT INTO t VALUES (1, 1)")
+    run_worker(source_db, target_db)
+    log = tmp_path / "worker.log"
+    worker = start_worker(source_db, target_db, log_path=log) if while_running else None
+    try:
+        if worker is not None:
+            source_db.execute("INSERT INTO t VALUES (2, 2)")
+            wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(2,)], what="row 2")
+        source_db.execute("ALTER TABLE t ALTER COLUMN v TYPE text")
+        source_db.execute("INSERT INTO t VALUES (3, '7')")
+        if worker is None:
+            failed = run_worker(source_db, target_db, expect_rc=1)
+            text = failed.stderr
+        else:
+            assert worker.wait(timeout=120) == 1
+            text = log.read_text()
+    finally:
+        if worker is not None:
+            stop_worker(worker)
+    assert "the type of column 'v' of public.t changed on the source to text" in text, text
+    assert "target's integer" in text, text
+    assert target_db.query("SELECT max(id) FROM t") == [(2 if while_running else 1,)]
+    assert _changes(target_db) == []
+
+
+def _missing(db, column: str) -> list[tuple]:
+    return db.query("SELECT atthasmissing, pg_get_expr(d.adbin, d.adrelid), attnotnull "
+                    "FROM pg_attribute a LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid "
+                    "AND d.adnum = a.attnum WHERE a.attrelid = 't'::regclass AND attname = %s",
+                    (column,))
+
+
+@pytest.mark.parametrize("while_running", [True, False])
+def test_a_column_added_with_a_constant_default_keeps_it_for_existing_rows(
+        source_db, target_db, tmp_path: Path, while_running: bool) -> None:
+    """ADD COLUMN ... DEFAULT <constant> on the source is metadata only: existing rows read the
+    default (attmissingval). The target column gets the same, so every existing row reads the
+    default there too, and so do rows inserted on the target after a cutover; NOT NULL with it."""
+    _table(source_db, target_db)
+    source_db.execute("INSERT INTO t SELECT g, 'v' FROM generate_series(1, 500) g")
+    run_worker(source_db, target_db)
+    log = tmp_path / "worker.log"
+    worker = start_worker(source_db, target_db, log_path=log) if while_running else None
+    try:
+        source_db.execute("ALTER TABLE t ADD COLUMN vip boolean DEFAULT false")
+        source_db.execute("ALTER TABLE t ADD COLUMN since timestamptz NOT NULL DEFAULT now()")
+        source_db.execute("ALTER TABLE t ADD COLUMN label text DEFAULT 'it''s'")
+        source_db.execute("ALTER TABLE t ALTER COLUMN label SET DEFAULT 'later'")  # for new rows
+        source_db.execute("INSERT INTO t (id, v, vip) VALUES (501, 'new', true)")
+        source_db.execute("UPDATE t SET v = 'changed' WHERE id = 7")
+        if worker is None:
+            run_worker(source_db, target_db)
+        else:
+            wait_for(lambda: target_db.query("SELECT count(*) FROM t") == [(501,)], what="row 501")
+    finally:
+        if worker is not None:
+            assert stop_worker(worker) == 0, log.read_text()[-3000:]
+    assert_same_rows(source_db, target_db, "t")
+    assert target_db.query("SELECT count(*) FROM t WHERE vip IS NULL OR since IS NULL "
+                           "OR label IS NULL") == [(0,)]
+    assert _missing(target_db, "vip") == [(True, "false", False)]
+    assert _missing(target_db, "since") == [(True, "now()", True)]
+    assert _missing(target_db, "label") == [(True, "'later'::text", False)]
+    # Rows written on the target (after a cutover) get the source's defaults.
+    target_db.execute("INSERT INTO t (id, v) VALUES (1000, 'local')")
+    assert target_db.query("SELECT vip, label FROM t WHERE id = 1000") == [(False, "later")]
+    assert [kind for kind, _ in _changes(target_db)] == ["add_column"] * 3
+
+
+def test_a_column_added_with_a_volatile_default_stops_the_worker(source_db, target_db) -> None:
+    """A volatile default makes the source rewrite the table, giving each existing row its own
+    value; the rewrite is not in the stream. The worker stops, saying so and what to do, rather
+    than add the column empty; done as it says, the worker goes on."""
+    _table(source_db, target_db)
+    source_db.execute("INSERT INTO t SELECT g, 'v' FROM generate_series(1, 20) g")
+    run_worker(source_db, target_db)
+    source_db.execute("ALTER TABLE t ADD COLUMN added timestamptz DEFAULT clock_timestamp()")
+    source_db.execute("INSERT INTO t (id, v) VALUES (21, 'new')")
+    failed = run_worker(source_db, target_db, expect_rc=1)
+    assert "column 'added' of public.t" in failed.stderr, failed.stderr
+    assert "clock_timestamp()" in failed.stderr and "rewr" in failed.stderr, failed.stderr
+    assert "ALTER TABLE" in failed.stderr and "then start the worker again" in failed.stderr
+    assert target_db.query("SELECT count(*) FROM t") == [(20,)]
+    assert "added" not in _columns(target_db)
+    # As the error says: the column on the target with the source's values, then a restart.
+    values = source_db.query("SELECT id, added::text FROM t WHERE id <= 20")
+    target_db.execute("ALTER TABLE t ADD COLUMN added timestamptz DEFAULT clock_timestamp()")
+    for key, value in values:
+        target_db.execute("UPDATE t SET added = %s WHERE id = %s", (value, key))
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, "t")
+
+
+_CHANGES = {
+    # No default: the rows there before read NULL; a type widened (the source rewrote the table).
+    "added and widened": ("ADD COLUMN n numeric(10,2), ALTER COLUMN w TYPE bigint",
+                          "INSERT INTO t SELECT g, 'after', g * 100000, g / 4.0 "
+                          "FROM generate_series(1, 300, 2) g", {"n": "numeric(10,2)", "w": "bigint"}),
+    # A constant default: the rows there before read it (the source's missing value).
+    "added with a default": ("ADD COLUMN flag boolean NOT NULL DEFAULT true",
+                             "INSERT INTO t SELECT g, 'after', 1, g % 2 = 0 "
+                             "FROM generate_series(1, 300, 2) g", {"flag": "boolean"}),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
 @pytest.mark.parametrize("via_root", [False, True], ids=["through its leaves", "through its root"])
-def test_a_column_added_to_a_partitioned_table(source_db, target_db, via_root: bool) -> None:
+def test_a_column_added_to_a_partitioned_table(source_db, target_db, via_root: bool,
+                                               change: str) -> None:
     """Found by the oracle test (issue 42): published through its leaves, a partitioned table
     that gains a column on the source is described by each leaf's Relation message, and a
     column cannot be added to a partition: it is added to the target's partitioned table (once:
     the other leaves then have it), as on the source; so is a column widened. A leaf of a
     nested level and a leaf whose column order differs from its root's are among them."""
+    alter, insert, types = _CHANGES[change]
     for db in (source_db, target_db):
         db.execute("CREATE TABLE t (id int PRIMARY KEY, v text, w smallint) PARTITION BY RANGE (id)")
         db.execute("CREATE TABLE t_low PARTITION OF t FOR VALUES FROM (MINVALUE) TO (100)")
@@ -193,17 +308,15 @@ def test_a_column_added_to_a_partitioned_table(source_db, target_db, via_root: b
     create_slot(source_db)
     source_db.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(0, 300, 2) g")
     with source_db.connect() as conn, conn.transaction():
-        conn.execute("ALTER TABLE t ADD COLUMN n numeric(10,2), ALTER COLUMN w TYPE bigint")
-        conn.execute("INSERT INTO t SELECT g, 'after', g * 100000, g / 4.0 "
-                     "FROM generate_series(1, 300, 2) g")
-        conn.execute("UPDATE t SET n = 1 WHERE id % 3 = 0")
+        conn.execute(f"ALTER TABLE t {alter}")
+        conn.execute(insert)
+        conn.execute("UPDATE t SET v = 'updated' WHERE id % 3 = 0")
     run_worker(source_db, target_db)
     for table in ("t", "t_low", "t_mid_0", "t_mid_1", "t_high"):
-        assert _columns(target_db, table)["n"] == "numeric(10,2)"
-        assert _columns(target_db, table)["w"] == "bigint"
+        columns = _columns(target_db, table)
+        assert {name: columns[name] for name in types} == types
     assert_same_rows(source_db, target_db, "t_low", "t_mid_0", "t_mid_1", "t_high")
     # Made on the partitioned table, and recorded for each leaf that needed it.
     table = "public.t" if not via_root else '"public"."t"'
-    assert {statement for _, statement in _changes(target_db)} == {
-        f'ALTER TABLE {table} ADD COLUMN{" IF NOT EXISTS" if not via_root else ""} "n" numeric(10,2)',
-        f'ALTER TABLE {table} ALTER COLUMN "w" TYPE bigint'}
+    changes = _changes(target_db)
+    assert changes and all(statement.startswith(f"ALTER TABLE {table} ") for _, statement in changes)

@@ -62,6 +62,12 @@ def test_poison_transaction_is_named_then_skipped_exactly(source_db, target_db, 
     failed = run_worker(source_db, target_db, expect_rc=1)
     assert "violates check constraint" in failed.stderr
     lsn = _failure_lsn(failed.stderr)
+    # The error names the transaction's LSN first; the last received LSN, which is not the one
+    # to skip, comes last and says what it is.
+    error = failed.stderr[failed.stderr.index(" ERROR "):]
+    assert re.findall(r"[0-9A-F]+/[0-9A-F]+", error)[0] == lsn, error
+    assert re.search(r"--skip-lsn [0-9A-F/]+\) \[slot=s received_lsn=[0-9A-F/]+ xid=\d+\]\n?$",
+                     error), error
     assert _ids(target_db) == [1]
     if how == "skip-command":
         said = _skip(target_db, lsn)

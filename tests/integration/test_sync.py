@@ -3,6 +3,7 @@ overlap (PostgreSQL 15 and 18)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -234,6 +235,8 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
             [s for s, _ in sync_states(target_db).values() if s == "done"]) == 7,
                  timeout=120, what="seven tables copied")
         assert sync_states(target_db)["public.t07"][0] == "copying"
+        during = _status(source_db, target_db)
+        assert "public.t07: in the copy under way (begun " in during, during
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
@@ -241,6 +244,13 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
             proc.kill()
         gate.close()
     target_db.execute("DROP TRIGGER gate ON t07")
+    # No process runs: status must not say the table is being copied.
+    wait_for(lambda: json.loads(_status(source_db, target_db, "--json"))["running"] is None,
+             what="the killed sync's target sessions to end")
+    after = _status(source_db, target_db)
+    assert "copying" not in after and "in the copy under way" not in after, after
+    assert "public.t07: not copied: the copy that began " in after, after
+    assert "stopped unfinished, and no sync runs; run applier sync to finish it" in after
     first = sync_states(target_db)
     # Rows keep the xmin of the transaction that copied them: a recopy would change it.
     xmin_sql = "SELECT DISTINCT xmin::text FROM {} WHERE id > 10"
@@ -252,9 +262,12 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
     source_db.execute("UPDATE t07 SET v = v || '+1' WHERE id <= 50")
     source_db.execute("INSERT INTO t07 VALUES (5000, 'new')")
     source_db.execute("DELETE FROM t07 WHERE id BETWEEN 60 AND 70")
-    # An apply worker must refuse to stream onto a half-copied table.
+    # An apply worker must refuse to stream onto a half-copied table, having created nothing.
+    origins = "SELECT count(*) FROM pg_replication_origin"
+    assert target_db.query(origins) == [(0,)]
     refused = run_worker(source_db, target_db, expect_rc=1)
     assert "initial copy for slot 's' is unfinished" in refused.stderr and "public.t07" in refused.stderr
+    assert target_db.query(origins) == [(0,)], "a refused start left a replication origin"
     proc2 = run_sync(source_db, target_db, "--jobs", "2")
     assert "temporary slot" in proc2.stderr
     second = sync_states(target_db)
@@ -266,6 +279,14 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
     source_db.execute("UPDATE t07 SET v = v || '+2' WHERE id <= 5")
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, *names)
+
+
+def _status(source_db, target_db, *extra: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                           "--target", target_db.dsn, "--slot", "s", *extra], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _table_sync_exists(target_db) -> bool:
@@ -374,3 +395,69 @@ def test_a_sync_that_streams_nothing_after_its_copy_leaves_the_replica_at_the_co
     assert_same_rows(source_db, target_db, "t")
     (commit_lsn,) = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0]
     assert LSN.parse(commit_lsn) > LSN.parse(sync_lsn)
+
+
+SHOP = """
+    CREATE SCHEMA app;
+    CREATE TABLE app.customers (
+        id int GENERATED ALWAYS AS IDENTITY (START WITH 100 INCREMENT BY 5) PRIMARY KEY,
+        email text COLLATE "C" NOT NULL UNIQUE,
+        name text,
+        CONSTRAINT name_not_blank CHECK (name <> ''));
+    CREATE TABLE app.orders (
+        id bigserial PRIMARY KEY,
+        customer_id int NOT NULL REFERENCES app.customers (id),
+        total numeric(10, 2) NOT NULL DEFAULT 0 CHECK (total >= 0),
+        doubled numeric GENERATED ALWAYS AS (total * 2) STORED,
+        note text,
+        placed timestamptz NOT NULL DEFAULT now());
+    CREATE INDEX orders_customer ON app.orders (customer_id) INCLUDE (total);
+    CREATE INDEX orders_note ON app.orders (lower(note));
+    INSERT INTO app.customers (email, name) SELECT 'c' || g || '@x', 'n' || g FROM generate_series(1, 30) g;
+    INSERT INTO app.orders (customer_id, total, note)
+        SELECT 100 + 5 * (g % 30), g, 'n' || g FROM generate_series(1, 300) g;
+    CREATE PUBLICATION pub FOR TABLE app.customers, app.orders;
+"""
+
+
+def _differences(source_db, target_db) -> list[str]:
+    from applier.lifecycle.schemas import schema_differences
+    from applier.sync.catalog import published_tables
+
+    with source_db.connect() as source, target_db.connect() as target:
+        source.autocommit = target.autocommit = True
+        return schema_differences(source, target, published_tables(source, ["pub"]))
+
+
+def test_create_tables_builds_the_sources_schema(source_db, target_db) -> None:
+    """--create-tables makes a target one can cut over to: identity stays ALWAYS, serial columns
+    keep their sequences (set past the source's values), CHECK and foreign keys are there and
+    validated, unique constraints, collations, generated columns and indexes as on the source;
+    the schema comparison finds no difference, and finds one made afterwards."""
+    source_db.execute(SHOP)
+    run_sync(source_db, target_db, "--create-tables")
+    assert _differences(source_db, target_db) == []
+    assert target_db.query("SELECT attidentity FROM pg_attribute WHERE attrelid = "
+                           "'app.customers'::regclass AND attname = 'id'") == [("a",)]
+    assert target_db.query("SELECT conname, convalidated FROM pg_constraint WHERE contype IN "
+                           "('c', 'f') AND connamespace = 'app'::regnamespace ORDER BY 1") == [
+        ("name_not_blank", True), ("orders_customer_id_fkey", True), ("orders_total_check", True)]
+    # Sequences set past what the source handed out: rows written on the target after a
+    # cutover do not collide.
+    target_db.execute("INSERT INTO app.customers (email) VALUES ('after@x')")
+    target_db.execute("INSERT INTO app.orders (customer_id, total) VALUES (100, 1)")
+    assert target_db.query("SELECT id FROM app.customers WHERE email = 'after@x'") == [(250,)]
+    assert target_db.query("SELECT max(id), max(doubled) FROM app.orders")[0][0] == 301
+    target_db.execute("DELETE FROM app.orders WHERE id = 301; DELETE FROM app.customers WHERE id = 250")
+    # Streaming goes on into them (identity values taken as the source gives them).
+    source_db.execute("INSERT INTO app.customers (email, name) VALUES ('late@x', 'late')")
+    source_db.execute("INSERT INTO app.orders (customer_id, total) VALUES (250, 7)")
+    run_worker(source_db, target_db)
+    assert_same_rows(source_db, target_db, "app.customers", "app.orders")
+    # A difference made on the target is named.
+    target_db.execute("ALTER TABLE app.orders DROP CONSTRAINT orders_total_check; "
+                      "ALTER TABLE app.customers ALTER COLUMN id SET GENERATED BY DEFAULT")
+    assert _differences(source_db, target_db) == [
+        '"app"."customers": column "id": identity ALWAYS on the source, BY DEFAULT on the target',
+        '"app"."orders": constraint "orders_total_check" is not on the target (CHECK ((total >= '
+        '(0)::numeric)))']

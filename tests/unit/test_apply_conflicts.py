@@ -34,7 +34,7 @@ def test_insert_exists_under_apply_updates_the_row_and_records_the_conflict() ->
     assert (slot, record.conflict_type, record.resolution) == ("s", "insert_exists", "applied")
     assert (record.source_xid, record.source_lsn, record.key) == (700, LSN(0x100), '{"id": 1}')
     assert record.local_row == '{"id": 1, "v": "local"}'
-    assert r.applier.conflicts == {('"public"."t"', "insert_exists"): 1}
+    assert r.applier.conflicts == {("public.t", "insert_exists"): 1}
 
 
 def test_keep_local_leaves_the_row_and_records_a_missing_row_as_skipped() -> None:

@@ -30,6 +30,7 @@ PRECEDENCE = {
     "sequences": ("margin", "1", "2", "3"),
     "cutover": ("timeout", "1", "2", "3"),
     "drop": ("slot", "f", "e", "c"),
+    "resync": ("slot", "f", "e", "c"),
 }
 
 
@@ -90,19 +91,36 @@ def _exits(capsys: pytest.CaptureFixture[str], arguments: list[str]) -> tuple[in
 
 @pytest.mark.parametrize("arguments, message", [
     (["run", "--bogus"], "unrecognized arguments: --bogus"),
-    (["run", "--batch-rows", "many"], "batch_rows: invalid literal"),
+    (["run", "--batch-rows", "many"], r"--batch-rows: 'many' is not a whole number \(expected a "
+                                      r"whole number, e.g. 20000\)"),
     (["run", "--streaming", "sometimes"], "invalid choice"),
-    (["status", "--max-lag", "5"], "max_lag: lag limit '5' has no unit"),
+    (["status", "--max-lag", "5"], "--max-lag: lag limit '5' has no unit"),
     (["verify", "--config", "/nonexistent/applier.toml"], "does not exist"),
     (["verify", "--source", "host=s", "--target", "host=t"], "missing required setting.*--publication"),
     (["pipeline", "--target", "host=t"], "missing required setting.*--output"),
     (["demo", "--pg-version", "16"], "invalid choice"),
 ])
-def test_bad_usage_exits_2_with_the_commands_own_usage(capsys, arguments, message) -> None:
+def test_bad_usage_exits_2_with_the_one_line_that_matters(capsys, arguments, message) -> None:
     code, err = _exits(capsys, arguments)
     assert code == ExitCode.USAGE
-    assert err.startswith(f"usage: applier {arguments[0]} "), err
-    assert re.search(message, err), err
+    first, *rest = err.splitlines()
+    assert first.startswith(f"applier {arguments[0]}: error: "), err
+    assert re.search(message, first), err
+    assert rest == [f"(see applier {arguments[0]} --help for every option)"], err  # no usage block
+
+
+def test_a_bad_environment_variable_is_named_with_the_form_it_takes(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("APPLIER_BATCH_ROWS", "abc")
+    code, err = _exits(capsys, ["run"])
+    assert code == ExitCode.USAGE
+    assert err.splitlines()[0] == ("applier run: error: APPLIER_BATCH_ROWS: 'abc' is not a whole "
+                                   "number (expected a whole number, e.g. 20000)"), err
+
+
+def test_choices_are_taken_in_any_case() -> None:
+    assert parse_settings(["run"], {"APPLIER_LOG_LEVEL": "debug"}).log_level == "DEBUG"
+    assert parse_settings(["run", "--log-level", "warning"], {}).log_level == "WARNING"
+    assert parse_settings(["peek", "--streaming", "Parallel"], {}).streaming == "parallel"
 
 
 def test_keyboard_interrupt_exits_130(monkeypatch) -> None:

@@ -197,13 +197,13 @@ def test_defaults_come_from_the_table_per_command() -> None:
 @pytest.mark.parametrize("command, values, message", [
     ("pipeline", {"table": "a,b"}, "pipeline aggregates one table, not 2"),
     ("pipeline", {"every": "0s"}, "every must be a positive duration"),
-    ("pipeline", {"every": "soon"}, "every: invalid duration"),
+    ("pipeline", {"every": "soon"}, "--every: invalid duration"),
     ("pipeline", {"rounds": "0"}, "rounds must be at least 1"),
     ("run", {"batch_rows": "-1"}, "batch_rows must be at least 1, or 0 to turn fast apply off"),
-    ("demo", {"pg_version": "16"}, "pg_version: 16 is not one of 15, 18"),
-    ("verify", {"settle": "soon"}, "settle: could not convert"),
+    ("demo", {"pg_version": "16"}, "--pg-version: 16 is not one of 15, 18"),
+    ("verify", {"settle": "soon"}, r"--settle: 'soon' is not a number \(expected a number, e.g. 10\)"),
     ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),
-    ("status", {"max_lag": "5"}, "max_lag: lag limit '5' has no unit"),
+    ("status", {"max_lag": "5"}, "--max-lag: lag limit '5' has no unit"),
 ])
 def test_bad_values_of_every_command_are_named(command: str, values: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

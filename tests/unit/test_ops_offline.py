@@ -55,9 +55,9 @@ def test_lag_limit_without_unit_is_refused(text: str) -> None:
 
 def test_bad_lag_limit_says_what_is_valid() -> None:
     """Checked when the settings load, so the command stops before it connects anywhere."""
-    with pytest.raises(ConfigError, match=r"max_lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
+    with pytest.raises(ConfigError, match=r"--max-lag: invalid lag limit '5 parsecs'.*64MB.*30s"):
         load_settings("status", {"max_lag": "5 parsecs"}, None, {})
-    with pytest.raises(ConfigError, match=r"ready_max_lag: lag limit '5' has no unit"):
+    with pytest.raises(ConfigError, match=r"APPLIER_READY_MAX_LAG: lag limit '5' has no unit"):
         load_settings("run", {}, None, {"APPLIER_READY_MAX_LAG": "5"})
 
 
@@ -87,10 +87,21 @@ def test_text_errors_name_slot_lsn_and_xid() -> None:
     context = {"slot": "s1", "lsn": LSN(0x16B374D848), "xid": 77}
     error = _log("text", logging.ERROR, "apply failed on %s", "postgresql://u:pw@h/db",
                  context=context)
-    assert error.rstrip().endswith("[slot=s1 lsn=16/B374D848 xid=77]")
+    assert error.rstrip().endswith("[slot=s1 received_lsn=16/B374D848 xid=77]")
     assert "pw@" not in error and "u:****@h/db" in error
     info = _log("text", logging.INFO, "streaming", context=context)
     assert "slot=" not in info  # routine lines stay short
+
+
+def test_the_context_follows_the_whole_message() -> None:
+    """A message of several lines (a server's DETAIL, the skip command last) keeps its lines
+    together: the received LSN comes after them, never between the error and the LSN to skip."""
+    error = _log("text", logging.ERROR, "source transaction xid 7, commit LSN 0/10: failed\n"
+                 "DETAIL: x. skip it: applier skip --lsn 0/10",
+                 context={"slot": "s1", "lsn": LSN(0x20), "xid": 7})
+    first, second = error.rstrip().splitlines()
+    assert "source transaction xid 7, commit LSN 0/10: failed" in first and "[" not in first
+    assert second == "DETAIL: x. skip it: applier skip --lsn 0/10 [slot=s1 received_lsn=0/20 xid=7]"
 
 
 def test_json_lines_carry_fields_and_mask_passwords() -> None:

@@ -93,3 +93,18 @@ def test_the_schema_head_constant_is_alembics_head() -> None:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     assert ScriptDirectory.from_config(config).get_heads() == [SCHEMA_HEAD]
+
+
+def test_the_spark_readers_are_exported_at_the_top_and_loaded_on_first_use() -> None:
+    """``from applier.spark import read_table, ...`` works, as PySpark's own exports do, while
+    ``import applier.spark`` (verify imports it) loads neither PySpark nor the readers."""
+    pytest.importorskip("pyspark.sql.datasource")  # the [spark] extra (./dev test installs it)
+    code = ("import sys, applier.spark as s; "
+            "assert 'pyspark' not in sys.modules and 'applier.spark.stream' not in sys.modules; "
+            "from applier.spark import open_snapshot, read_change_stream, read_changes, read_table; "
+            "from applier.spark.reader import read_table as r; from applier.spark.stream import "
+            "read_change_stream as st; assert read_table is r and read_change_stream is st; "
+            "assert set(s.__all__) >= {'open_snapshot', 'read_change_stream', 'read_changes', "
+            "'read_table'}; print('ok')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr

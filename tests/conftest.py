@@ -25,7 +25,8 @@ from applier.embedded import Database, PostgresServer, ServerSettings, start_ser
 SERVER_FIXTURES = frozenset({"pg_pair", "source_db", "target_db"})
 
 
-def _versions() -> list[int]:
+def pg_versions() -> list[int]:
+    """The PostgreSQL major versions to test (APPLIER_TEST_PG_VERSIONS, default 15 and 18)."""
     raw = os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18")
     return [int(v) for v in re.split(r"[,\s]+", raw.strip()) if v]
 
@@ -92,7 +93,7 @@ def _pg_registry() -> Iterator[_PairRegistry]:
 
 @pytest.fixture(
     scope="session",
-    params=_versions(),
+    params=pg_versions(),
     ids=lambda v: f"pg{v}",
 )
 def pg_pair(request: pytest.FixtureRequest, _pg_registry: _PairRegistry) -> PgPair:

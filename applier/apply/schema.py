@@ -19,6 +19,9 @@ target fit, along a safe list only:
 * a column gone from the source stays, and loses its NOT NULL when it has no default (new rows
   could not be inserted otherwise); a rename is a drop and an add.
 
+A target table that is a partition (its table published through its leaves) is changed through
+the root of its partition tree: a partition's columns are its tree's, as on the source.
+
 Any other change of a column's type stops the worker at the first row change of the relation,
 naming table, column and both types: a change seen in this session, or since the type the
 source had when the worker last aligned the table (``applier.source_columns``, kept per slot in
@@ -129,7 +132,14 @@ class SchemaFollower:
     # -- what must change -----------------------------------------------------------------------
     def _changes(self, relation: Relation, table: TargetTable, previous: Relation | None,
                  recorded: dict[str, tuple[int, int]]) -> list[_Change]:
-        name = sql.Identifier(table.schema, table.name)
+        looked_up: list[tuple[sql.Composable, bool]] = []
+
+        def altered() -> tuple[sql.Composable, bool]:
+            """The table the changes are made on, looked up once a change is needed."""
+            if not looked_up:
+                looked_up.append(self._altered(table))
+            return looked_up[0]
+
         changes: list[_Change] = []
         # What the source's types were: earlier in this session, else when last recorded.
         before = dict(recorded)
@@ -140,7 +150,7 @@ class SchemaFollower:
             if target is not None and target.generated:
                 continue  # reported when mapped: a generated column cannot take values
             if target is None:
-                changes.append(self._added(relation, table, column))
+                changes.append(self._added(relation, table, column, *altered()))
                 continue
             if _holds(target, column):
                 continue
@@ -148,7 +158,7 @@ class SchemaFollower:
             if widened is not None:
                 changes.append(_Change("widen", column.name, (sql.SQL(
                     "ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
-                        name, sql.Identifier(column.name), sql.SQL(widened)),), column,
+                        altered()[0], sql.Identifier(column.name), sql.SQL(widened)),), column,
                     target.not_null, target.has_default))
                 continue
             # Types that differ off the safe list: a target made so on purpose keeps its type
@@ -167,15 +177,34 @@ class SchemaFollower:
             if target.name not in present and target.not_null and not target.has_default:
                 changes.append(_Change("drop_not_null", target.name, (sql.SQL(
                     "ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
-                        name, sql.Identifier(target.name)),), None))
+                        altered()[0], sql.Identifier(target.name)),), None))
         return changes
 
-    def _added(self, relation: Relation, table: TargetTable, column: RelationColumn) -> _Change:
-        """The statements that add ``column`` so that the target's rows read in it what the
-        source's read (see the module's docstring)."""
-        name, new = sql.Identifier(table.schema, table.name), sql.Identifier(column.name)
+    def _altered(self, table: TargetTable) -> tuple[sql.Composable, bool]:
+        """The table a change of ``table``'s columns is made on, and whether ``table`` is a
+        partition: then the partitioned table at the root of its tree (as the apply session,
+        whose search_path is empty, names it: schema-qualified), since a partition's columns are
+        its tree's."""
+        found = self.tx.sql(
+            "SELECT pg_catalog.pg_partition_root(c.oid)::pg_catalog.text "
+            "FROM pg_catalog.pg_class c WHERE c.oid = $1::pg_catalog.regclass AND c.relispartition",
+            [table.sql_name.encode()])
+        root = found.get_value(0, 0) if found.ntuples else None
+        if root is None:
+            return sql.Identifier(table.schema, table.name), False
+        return sql.SQL(root.decode()), True
+
+    def _added(self, relation: Relation, table: TargetTable, column: RelationColumn,
+               name: sql.Composable, partition: bool) -> _Change:
+        """The statements that add ``column`` to ``name`` (``table``, or the root of the
+        partition tree it is a partition of) so that the target's rows read in it what the
+        source's read (see the module's docstring). To a tree, only if it is not there yet: the
+        next leaf of the tree to need the column finds it there, but reflected on another
+        connection before the change commits, its own table does not show it."""
+        new = sql.Identifier(column.name)
         type_sql = self._type_sql(relation, column)
-        add = sql.SQL("ALTER TABLE {} ADD COLUMN {} {}").format(name, new, sql.SQL(type_sql))
+        add = sql.SQL("ALTER TABLE {} ADD COLUMN {}{} {}").format(
+            name, sql.SQL("IF NOT EXISTS " if partition else ""), new, sql.SQL(type_sql))
         source = (self.source.added_column(relation.relation_id, column.name)
                   if self.source is not None else None)
         if source is None or source.rows_read_null:
@@ -190,7 +219,7 @@ class SchemaFollower:
                 add + missing + sql.SQL(" NOT NULL" if not_null else ""),
                 self._default(name, new, source.default)), column, not_null,
                 source.default is not None)
-        if self._empty(table):  # no row to read anything: only the default matters
+        if self._empty(name):  # no row to read anything: only the default matters
             default = (sql.SQL(" DEFAULT {}").format(sql.SQL(source.default))
                        if source.default is not None else sql.SQL(""))
             return _Change("add_column", column.name, (
@@ -200,16 +229,15 @@ class SchemaFollower:
                          cause=Cause.NEEDS_OPERATOR)
 
     @staticmethod
-    def _default(table: sql.Identifier, column: sql.Identifier, default: str | None) -> sql.Composable:
+    def _default(table: sql.Composable, column: sql.Identifier, default: str | None) -> sql.Composable:
         if default is None:
             return sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP DEFAULT").format(table, column)
         return sql.SQL("ALTER TABLE {} ALTER COLUMN {} SET DEFAULT {}").format(
             table, column, sql.SQL(default))
 
-    def _empty(self, table: TargetTable) -> bool:
-        """The target table holds no row (in this transaction)."""
-        found = self.tx.sql(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(
-            sql.Identifier(table.schema, table.name)).as_string())
+    def _empty(self, table: sql.Composable) -> bool:
+        """The target table (a partition tree: all of it) holds no row (in this transaction)."""
+        found = self.tx.sql(sql.SQL("SELECT 1 FROM {} LIMIT 1").format(table).as_string())
         return found.ntuples == 0
 
     def _after(self, table: TargetTable, change: _Change) -> TargetTable:

@@ -50,16 +50,26 @@ class AddedColumn:
                     or self.generated or self.not_null)
 
 
-# The element of the one-element array attmissingval is, as text; the default's volatility from
-# the functions its expression tree calls (a function or an operator's).
+# For the rows of the table (its own, or a partitioned table's leaves': it has none itself, and
+# each leaf has its own missing value): how many leaves, and the missing values of those that have
+# one (the one-element array attmissingval's element, as text). The default's volatility from the
+# functions its expression tree calls (a function or an operator's).
 _COLUMN = r"""
-    SELECT a.atthasmissing, (a.attmissingval::text::text[])[1], pg_catalog.pg_get_expr(d.adbin, d.adrelid),
+    WITH leaf AS (
+        SELECT l.atthasmissing, (l.attmissingval::text::text[])[1] AS missing
+        FROM pg_catalog.pg_class c
+        JOIN pg_catalog.pg_attribute l ON l.attrelid = c.oid AND l.attname = %(name)s
+        WHERE c.relkind <> 'p' AND c.oid IN (
+            SELECT t.relid FROM pg_catalog.pg_partition_tree(%(relid)s::pg_catalog.oid) t
+            UNION ALL SELECT %(relid)s::pg_catalog.oid))
+    SELECT (SELECT count(*) FROM leaf), ARRAY(SELECT missing FROM leaf WHERE atthasmissing),
+           pg_catalog.pg_get_expr(d.adbin, d.adrelid),
            EXISTS (SELECT FROM pg_catalog.regexp_matches(d.adbin::text, ':(?:op)?funcid (\d+)', 'g') f
                    JOIN pg_catalog.pg_proc p ON p.oid = f[1]::oid WHERE p.provolatile = 'v'),
            a.attidentity::text, a.attgenerated::text, a.attnotnull
     FROM pg_catalog.pg_attribute a
     LEFT JOIN pg_catalog.pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
-    WHERE a.attrelid = %s::pg_catalog.oid AND a.attname = %s AND NOT a.attisdropped
+    WHERE a.attrelid = %(relid)s::pg_catalog.oid AND a.attname = %(name)s AND NOT a.attisdropped
 """
 _SETTINGS = ("SELECT pg_catalog.set_config('search_path', '', false)", "SET datestyle = ISO",
              "SET intervalstyle = postgres", "SET extra_float_digits = 3", "SET timezone = 'UTC'",
@@ -75,7 +85,7 @@ class SourceCatalog:
         """Column ``name`` of the source table ``relation_id`` now; None when the source has it
         no more (dropped since)."""
         try:
-            row = self._connection().execute(_COLUMN, (relation_id, name)).fetchone()
+            row = self._connection().execute(_COLUMN, {"relid": relation_id, "name": name}).fetchone()
         except psycopg.Error as exc:
             self.close()
             raise SourceError(f"source: cannot read column {name!r} of the table with OID "
@@ -83,8 +93,12 @@ class SourceCatalog:
                               cause=Cause.LOST_CONNECTION) from exc
         if row is None:
             return None
-        return AddedColumn(bool(row[0]), row[1], row[2], bool(row[3]), row[4] or "", row[5] or "",
-                           bool(row[6]))
+        leaves, missing = row[0], row[1]
+        # The rows read one missing value when every leaf has the same (a table without rows
+        # reads none: nothing to fill).
+        has_missing = len(missing) == leaves and len(set(missing)) <= 1
+        return AddedColumn(has_missing, missing[0] if has_missing and missing else None, row[2],
+                           bool(row[3]), row[4] or "", row[5] or "", bool(row[6]))
 
     def _connection(self) -> psycopg.Connection[Any]:
         if self._conn is None or self._conn.closed:

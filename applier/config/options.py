@@ -155,8 +155,11 @@ OPTIONS: tuple[Option, ...] = (
            "per target database and slot under the system temp directory.", kind="path",
            commands=("run", "sync", "status", "drop")),
     Option("batch_rows", "Fast apply: row changes (of one or more consecutive source transactions) "
-           "per target transaction before it commits; also the most rows held in memory.",
-           kind="int", default=20000),
+           "per target transaction before it commits; also the most rows held in memory. 0 turns "
+           "fast apply off: each source transaction is applied in a target transaction of its "
+           "own, a statement per row (the careful path, as PostgreSQL's subscriber applies), "
+           "and a streamed one at its commit; slower, for ruling fast apply out when chasing a "
+           "problem.", kind="int", default=20000),
     Option("batch_bytes", "Fast apply: bytes of row data per target transaction before it commits "
            "(at most half of --memory-budget is used: the batch counts against the budget too). "
            "Units kB, MB, GB.", kind="size", default=8 * 1024**2),

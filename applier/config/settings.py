@@ -219,9 +219,11 @@ def _validate(settings: Settings) -> None:
         raise ConfigError("two_phase needs protocol version 3 or later (PostgreSQL 15+)")
     if not 1 <= settings.status_interval <= 10:
         raise ConfigError("status_interval must be between 1 and 10 seconds")
-    for name in ("batch_rows", "batch_time", "jobs"):
+    for name in ("batch_time", "jobs"):
         if getattr(settings, name) < 1:
             raise ConfigError(f"{name} must be at least 1")
+    if settings.batch_rows < 0:
+        raise ConfigError("batch_rows must be at least 1, or 0 to turn fast apply off")
     if not 0 <= settings.batch_wait <= settings.batch_time:
         raise ConfigError(f"batch_wait must be between 0 and batch_time ({settings.batch_time} ms)")
     if settings.range_size < 8192:

@@ -155,7 +155,9 @@ class ReplicationSession:
                 assert stream.lineage is not None  # read before the stream started
                 state.caught_up = CaughtUp(stream.lineage.position)
                 log.info("will exit once caught up with source position %s", state.caught_up.goal)
-            if settings.streamed_apply == "early" and options.streaming != "off":
+            # The early session applies as the fast path does: without it, at the commit.
+            if (settings.streamed_apply == "early" and options.streaming != "off"
+                    and applier.fast is not None):
                 main = applier
                 early = StreamingApply(
                     main, lambda: second_applier(main, self._target_session("streamed"), reflector,
@@ -259,9 +261,10 @@ class ReplicationSession:
                  on_relation: Callable[[Relation], None],
                  feeds: dict[TableName, ChangeTable], catalog: SourceCatalog) -> Applier:
         settings, state = self.settings, self.state
-        limits = BatchLimits(settings.batch_rows,
-                             min(settings.batch_bytes, settings.memory_budget // 2),
-                             settings.batch_time / 1000, settings.batch_wait / 1000)
+        # --batch-rows 0: no fast path, every source transaction on the careful path.
+        limits = None if settings.batch_rows == 0 else BatchLimits(
+            settings.batch_rows, min(settings.batch_bytes, settings.memory_budget // 2),
+            settings.batch_time / 1000, settings.batch_wait / 1000)
         apply_options = ApplyOptions(
             slot=self.slot, limits=limits, track_target_lsn=settings.synchronous_commit == "off",
             # auto: binary values until a relation is found not binary-safe (checked per relation).

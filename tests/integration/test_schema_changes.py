@@ -271,3 +271,52 @@ def test_a_column_added_with_a_volatile_default_stops_the_worker(source_db, targ
         target_db.execute("UPDATE t SET added = %s WHERE id = %s", (value, key))
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, "t")
+
+
+_CHANGES = {
+    # No default: the rows there before read NULL; a type widened (the source rewrote the table).
+    "added and widened": ("ADD COLUMN n numeric(10,2), ALTER COLUMN w TYPE bigint",
+                          "INSERT INTO t SELECT g, 'after', g * 100000, g / 4.0 "
+                          "FROM generate_series(1, 300, 2) g", {"n": "numeric(10,2)", "w": "bigint"}),
+    # A constant default: the rows there before read it (the source's missing value).
+    "added with a default": ("ADD COLUMN flag boolean NOT NULL DEFAULT true",
+                             "INSERT INTO t SELECT g, 'after', 1, g % 2 = 0 "
+                             "FROM generate_series(1, 300, 2) g", {"flag": "boolean"}),
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+@pytest.mark.parametrize("via_root", [False, True], ids=["through its leaves", "through its root"])
+def test_a_column_added_to_a_partitioned_table(source_db, target_db, via_root: bool,
+                                               change: str) -> None:
+    """Found by the oracle test (issue 42): published through its leaves, a partitioned table
+    that gains a column on the source is described by each leaf's Relation message, and a
+    column cannot be added to a partition: it is added to the target's partitioned table (once:
+    the other leaves then have it), as on the source; so is a column widened. A leaf of a
+    nested level and a leaf whose column order differs from its root's are among them."""
+    alter, insert, types = _CHANGES[change]
+    for db in (source_db, target_db):
+        db.execute("CREATE TABLE t (id int PRIMARY KEY, v text, w smallint) PARTITION BY RANGE (id)")
+        db.execute("CREATE TABLE t_low PARTITION OF t FOR VALUES FROM (MINVALUE) TO (100)")
+        db.execute("CREATE TABLE t_mid PARTITION OF t FOR VALUES FROM (100) TO (200) "
+                   "PARTITION BY HASH (id)")
+        db.execute("CREATE TABLE t_mid_0 PARTITION OF t_mid FOR VALUES WITH (MODULUS 2, REMAINDER 0)")
+        db.execute("CREATE TABLE t_mid_1 PARTITION OF t_mid FOR VALUES WITH (MODULUS 2, REMAINDER 1)")
+        db.execute("CREATE TABLE t_high (w smallint, v text, id int NOT NULL)")
+        db.execute("ALTER TABLE t ATTACH PARTITION t_high FOR VALUES FROM (200) TO (MAXVALUE)")
+    source_db.execute(f"CREATE PUBLICATION pub FOR TABLE t WITH (publish_via_partition_root = {via_root})")
+    create_slot(source_db)
+    source_db.execute("INSERT INTO t SELECT g, 'before' FROM generate_series(0, 300, 2) g")
+    with source_db.connect() as conn, conn.transaction():
+        conn.execute(f"ALTER TABLE t {alter}")
+        conn.execute(insert)
+        conn.execute("UPDATE t SET v = 'updated' WHERE id % 3 = 0")
+    run_worker(source_db, target_db)
+    for table in ("t", "t_low", "t_mid_0", "t_mid_1", "t_high"):
+        columns = _columns(target_db, table)
+        assert {name: columns[name] for name in types} == types
+    assert_same_rows(source_db, target_db, "t_low", "t_mid_0", "t_mid_1", "t_high")
+    # Made on the partitioned table, and recorded for each leaf that needed it.
+    table = "public.t" if not via_root else '"public"."t"'
+    changes = _changes(target_db)
+    assert changes and all(statement.startswith(f"ALTER TABLE {table} ") for _, statement in changes)

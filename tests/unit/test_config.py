@@ -199,6 +199,7 @@ def test_defaults_come_from_the_table_per_command() -> None:
     ("pipeline", {"every": "0s"}, "every must be a positive duration"),
     ("pipeline", {"every": "soon"}, "--every: invalid duration"),
     ("pipeline", {"rounds": "0"}, "rounds must be at least 1"),
+    ("run", {"batch_rows": "-1"}, "batch_rows must be at least 1, or 0 to turn fast apply off"),
     ("demo", {"pg_version": "16"}, "--pg-version: 16 is not one of 15, 18"),
     ("verify", {"settle": "soon"}, r"--settle: 'soon' is not a number \(expected a number, e.g. 10\)"),
     ("verify", {"max_keys": "-1"}, "max_keys must not be negative"),

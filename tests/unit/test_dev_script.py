@@ -19,7 +19,7 @@ def test_help_is_the_header_comment_and_nothing_else() -> None:
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert lines[0].startswith("applier's one entry point")
-        assert [line.split()[1] for line in lines[1:]] == ["demo", "test", "lint", "setup"], done.stdout
+        assert [line.split()[1] for line in lines[1:]] == ["demo", "test", "lint", "soak", "setup"], done.stdout
         assert "set -euo" not in done.stdout
 
 
@@ -27,3 +27,9 @@ def test_an_unknown_command_prints_the_help_and_fails() -> None:
     done = _dev("no-such-command")
     assert done.returncode == 2
     assert "./dev setup" in done.stdout and "set -euo" not in done.stdout
+
+
+def test_soak_refuses_an_unknown_option_before_any_set_up() -> None:
+    done = _dev("soak", "--hours", "2")
+    assert done.returncode == 2
+    assert "./dev soak takes --minutes N and --seed S, not --hours" in done.stderr

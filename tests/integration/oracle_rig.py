@@ -1,0 +1,338 @@
+"""The oracle's rig: one example's change stream read by PostgreSQL's subscriber and by applier on
+every route, and the targets compared row by row.
+
+For each example: a fresh source database (the schema, two publications: through leaves and
+through roots), one target database per consumer cloned from one template (the target schema,
+and applier's bookkeeping schema made once, so no worker pays for creating it), and one slot per
+consumer, all created before the workload at the same point of a quiet source. The native
+subscription (``CREATE SUBSCRIPTION``, two-phase, streaming) reads one slot into target A; an
+``applier run`` per route reads its own slot into its own target. With ``live`` the workers (and
+the subscription) run while the workload does; otherwise they start after it, on the backlog,
+with ``--exit-when-caught-up``. A marker row committed last tells that a consumer is caught up.
+
+Every route's target is compared with target A, or, where PostgreSQL's subscriber cannot take
+the example (its apply worker errors, or crashes), with the source itself. Everything is dropped
+afterwards, and the workers' logs too unless a route differed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psycopg
+from oracle_compare import columns, contents, difference, has_marker
+from oracle_execute import Script, run_workload
+from oracle_schema import MARKER, Schema
+from oracle_servers import RECOVERY_SECONDS, ServerLog, connect, drop_origins, execute, is_subscriber_crash, sessions
+from oracle_values import ident, literal, qualified
+from oracle_workload import Workload
+
+from applier.embedded import PostgresServer
+from applier.progress.schema import ensure_schema
+
+__all__ = ["ROUTES", "SOAK_ROUTES", "Oracle", "Outcome", "Route"]
+
+REPO = Path(__file__).resolve().parents[2]
+_PUBLICATIONS = "oracle_leaf,oracle_root"
+CATCH_UP_SECONDS = 180.0
+
+
+@dataclass(frozen=True)
+class Route:
+    """One way applier can be made to apply: its options, and its environment."""
+
+    name: str
+    args: tuple[str, ...] = ()
+    #: APPLIER_PURE_PYTHON: "" (every C accelerator built is used), "1" (none), or names.
+    pure_python: str = ""
+    #: Its slot decodes prepared transactions at PREPARE.
+    two_phase: bool = False
+    min_version: int = 15
+
+
+ROUTES = (
+    Route("default"),
+    Route("no lane", pure_python="apply._lane"),
+    Route("careful", ("--batch-rows", "0")),
+    Route("streaming off", ("--streaming", "off")),
+    Route("streaming on", ("--streaming", "on"), min_version=16),
+    Route("at commit, spilled", ("--streamed-apply", "commit", "--memory-budget", "128kB")),
+    Route("two-phase", two_phase=True),
+    Route("two-phase defer", ("--two-phase-mode", "defer"), two_phase=True),
+    Route("change feed", ("--change-feed", "all")),
+    Route("pure Python", pure_python="1"),
+)
+#: ./dev soak: every route above, again in pure Python, and text values.
+SOAK_ROUTES = ROUTES + tuple(
+    Route(f"pure Python, {r.name}", r.args, "1", r.two_phase, r.min_version)
+    for r in ROUTES if not r.pure_python and r.name != "default") + (
+    Route("binary off", ("--binary", "off")),
+    Route("pure Python, binary off", ("--binary", "off"), pure_python="1"),
+)
+
+
+@dataclass
+class Outcome:
+    #: Route name -> what differed from the oracle (rows, or the worker's failure).
+    differences: dict[str, str] = field(default_factory=dict)
+    #: Why PostgreSQL's subscriber could not take the example (the source was the oracle).
+    native_refused: str | None = None
+    #: Where target A and the source differ (as they may: a partition truncated alone is not
+    #: published through its root).
+    native_vs_source: str | None = None
+    script: Script | None = None
+    #: Seconds each phase took (create, workload, wait, compare, drop).
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    def __init__(self, laps: dict[str, float]) -> None:
+        self.laps = laps
+        self.last = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+
+
+class Oracle:
+    """Runs examples on one source and one target server (the servers are reused)."""
+
+    def __init__(self, source: PostgresServer, target: PostgresServer, workdir: Path) -> None:
+        self.source, self.target, self.workdir = source, target, workdir
+        self._numbers = itertools.count(1)
+        self.logs = {server.name: ServerLog(server) for server in (source, target)}
+        self.tag = f"o{os.getpid()}"
+        self.base = f"{self.tag}_base"
+        execute(target.dsn(), f"CREATE DATABASE {ident(self.base)}")
+        ensure_schema(target.dsn(self.base))
+        #: Seconds each consumer of the last example took to catch up (after the workload).
+        self.caught_up: dict[str, float] = {}
+
+    def close(self) -> None:
+        self.target.drop_database(self.base)
+
+    def check(self, schema: Schema, workload: Workload, routes: list[Route], live: bool) -> Outcome:
+        number = next(self._numbers)
+        prefix = f"{self.tag}_{number}"
+        routes = [r for r in routes if self.source.version >= r.min_version]
+        names = {"native": f"{prefix}_native"} | {r.name: f"{prefix}_r{i}"
+                                                  for i, r in enumerate(routes)}
+        source_db = f"{prefix}_src"
+        logs = self.workdir / prefix
+        logs.mkdir(parents=True, exist_ok=True)
+        for log in self.logs.values():
+            log.mark()
+        workers: dict[str, subprocess.Popen] = {}
+        outcome = Outcome()
+        clock = _Clock(outcome.seconds)
+        try:
+            self._create(schema, source_db, names, routes)
+            clock.lap("create")
+            if live:
+                workers = self._start(routes, names, source_db, logs, exit_when_caught_up=False)
+            outcome.script = run_workload(self.source.dsn(source_db), schema, workload,
+                                          lambda statement: self._on_targets(names, statement))
+            execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
+            clock.lap("workload")
+            if not live:
+                workers = self._start(routes, names, source_db, logs, exit_when_caught_up=True)
+            failures, outcome.native_refused = self._wait(names, workers, logs)
+            clock.lap("wait")
+            self._compare(schema, source_db, names, failures, outcome)
+            clock.lap("compare")
+            if not outcome.differences:
+                shutil.rmtree(logs, ignore_errors=True)
+            return outcome
+        finally:
+            self._drop(source_db, names, workers)
+            clock.lap("drop")
+            self._check_servers(outcome)
+
+    def _check_servers(self, outcome: Outcome) -> None:
+        """A server process that crashed is a finding of its own, whoever caused it: PostgreSQL's
+        subscriber's is reported as its refusal (``_wait``), any other stops the run."""
+        for name, log in self.logs.items():
+            crashes = [c for c in log.crashes()
+                       if not (outcome.native_refused and is_subscriber_crash(c))]
+            if crashes:
+                raise AssertionError(f"{name} crashed:\n{crashes[0]}")
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _create(self, schema: Schema, source_db: str, names: dict[str, str],
+                routes: list[Route]) -> None:
+        execute(self.source.dsn(), f"CREATE DATABASE {ident(source_db)}")
+        execute(self.source.dsn(source_db), *schema.source_ddl(), *schema.publications())
+        template = f"{names['native']}_t"
+        execute(self.target.dsn(), f"CREATE DATABASE {ident(template)} TEMPLATE {ident(self.base)}")
+        try:
+            execute(self.target.dsn(template), *schema.target_ddl())
+            # A few at once: a copy of a small database is mostly waiting.
+            with ThreadPoolExecutor(4) as pool:
+                list(pool.map(lambda db: execute(self.target.dsn(), f"CREATE DATABASE {ident(db)} "
+                                                                    f"TEMPLATE {ident(template)}"),
+                              names.values()))
+        finally:
+            self.target.drop_database(template)
+        two_phase = {names["native"]: True} | {names[r.name]: r.two_phase for r in routes}
+        execute(self.source.dsn(source_db), *(
+            f"SELECT pg_create_logical_replication_slot({literal(slot)}, 'pgoutput', false, "
+            f"{str(tp).lower()})" for slot, tp in two_phase.items()))
+        streaming = "parallel" if self.target.version >= 16 else "on"
+        execute(self.target.dsn(names["native"]),
+                f"CREATE SUBSCRIPTION oracle CONNECTION {literal(self.source.dsn(source_db))} "
+                f"PUBLICATION oracle_leaf, oracle_root WITH (create_slot = false, "
+                f"slot_name = {literal(names['native'])}, copy_data = false, two_phase = true, "
+                f"streaming = {streaming})")
+
+    def _on_targets(self, names: dict[str, str], statement: str) -> None:
+        """Run ``statement`` on every target, as a migration of the replicas would. A consumer
+        may hold the table meanwhile; and waiting in the lock queue can close a cycle no deadlock
+        detector sees (PostgreSQL's leader apply worker queued behind the ALTER, its parallel
+        worker waiting for the leader): so wait a little at a time, and try again."""
+        for database in names.values():
+            deadline = time.monotonic() + CATCH_UP_SECONDS
+            while True:
+                try:
+                    execute(self.target.dsn(database), "SET lock_timeout = '1s'", statement)
+                    break
+                except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+    def _start(self, routes: list[Route], names: dict[str, str], source_db: str, logs: Path,
+               exit_when_caught_up: bool) -> dict[str, subprocess.Popen]:
+        workers = {}
+        for route in routes:
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("APPLIER_PURE_PYTHON", "APPLIER_FAULT")}
+            if route.pure_python:
+                env["APPLIER_PURE_PYTHON"] = route.pure_python
+            database = names[route.name]
+            command = [sys.executable, "-m", "applier", "run", "--source",
+                       self.source.dsn(source_db), "--target", self.target.dsn(database),
+                       "--slot", database, "--publication", _PUBLICATIONS, "--log-level", "INFO",
+                       *route.args] + (["--exit-when-caught-up"] if exit_when_caught_up else [])
+            with open(logs / f"{database}.log", "wb") as log:
+                workers[route.name] = subprocess.Popen(command, stdout=log, stderr=log, env=env,
+                                                       cwd=REPO)
+        return workers
+
+    # -- waiting ---------------------------------------------------------------------------------
+    def _wait(self, names: dict[str, str], workers: dict[str, subprocess.Popen], logs: Path
+              ) -> tuple[dict[str, str], str | None]:
+        """Until every consumer holds the marker. Returns the routes that failed (why) and why
+        PostgreSQL's subscriber could not take the example (None: it could)."""
+        failures: dict[str, str] = {}
+        refused = None
+        pending = set(names)
+        started = time.monotonic()
+        deadline = started + CATCH_UP_SECONDS
+        self.caught_up = {}
+        with sessions(self.target, names) as polled:
+            while pending and time.monotonic() < deadline:
+                for name in sorted(pending):
+                    if has_marker(lambda q: polled.query(name, q)):
+                        pending.discard(name)
+                        self.caught_up[name] = time.monotonic() - started
+                        continue
+                    worker = workers.get(name)
+                    if worker is not None and worker.poll() is not None:
+                        if not has_marker(lambda q: polled.query(name, q)):  # just committed?
+                            failures[name] = (f"the worker exited with code {worker.returncode} "
+                                              f"before applying everything:\n"
+                                              f"{_tail(logs / (names[name] + '.log'))}")
+                            pending.discard(name)
+                    elif name == "native":
+                        refused = self._refusal(lambda q: polled.query(name, q))
+                        if refused is not None:
+                            pending.discard(name)
+                time.sleep(0.1)
+        for name in pending:
+            if name == "native":
+                refused = "it did not catch up within the time allowed"
+            else:
+                failures[name] = (f"the worker did not catch up within {CATCH_UP_SECONDS:.0f} s:\n"
+                                  f"{_tail(logs / (names[name] + '.log'))}")
+        return failures, refused
+
+    def _refusal(self, query: Callable[[str], list[tuple]]) -> str | None:
+        """Why PostgreSQL's subscriber stopped (an error, or its crash: the subscription is then
+        disabled, so that it does not go on failing), or None while it goes on."""
+        crashes = [c for c in self.logs[self.target.name].crashes() if is_subscriber_crash(c)]
+        if crashes:
+            what = crashes[0].splitlines()[-1].partition("LOG:")[2].strip()
+            reason = f"its apply worker crashed: {what}\n{crashes[0]}"
+        elif query("SELECT apply_error_count FROM pg_stat_subscription_stats "
+                   "WHERE subname = 'oracle'")[0][0]:
+            reason = self.logs[self.target.name].apply_error() or "its apply worker failed"
+        else:
+            return None
+        deadline = time.monotonic() + RECOVERY_SECONDS
+        while True:  # the apply worker may be changing the subscription, or crashing again
+            try:
+                query("ALTER SUBSCRIPTION oracle DISABLE")
+                return reason
+            except psycopg.Error:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    # -- comparing -------------------------------------------------------------------------------
+    def _compare(self, schema: Schema, source_db: str, names: dict[str, str],
+                 failures: dict[str, str], outcome: Outcome) -> None:
+        with sessions(self.target, names) as targets, \
+                sessions(self.source, {"source": source_db}) as source:
+            tables = columns(lambda q: source.query("source", q), schema)
+            truth = contents(lambda q: source.query("source", q), tables)
+            native = truth if outcome.native_refused else contents(
+                lambda q: targets.query("native", q), tables)
+            if not outcome.native_refused:
+                outcome.native_vs_source = difference(truth, native, "the source", "target A")
+            for name in names:
+                if name == "native":
+                    continue
+                if name in failures:
+                    outcome.differences[name] = failures[name]
+                    continue
+                found = difference(native, contents(lambda q: targets.query(name, q), tables),
+                                   "the oracle", "the route's target")
+                if found:
+                    outcome.differences[name] = found
+
+    # -- tearing down ----------------------------------------------------------------------------
+    def _drop(self, source_db: str, names: dict[str, str],
+              workers: dict[str, subprocess.Popen]) -> None:
+        for worker in workers.values():
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+        for worker in workers.values():
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+        connect(self.target.dsn()).close()  # a crashed server has recovered
+        for database in names.values():
+            self.target.drop_database(database)
+        self.source.drop_database(source_db)
+        drop_origins(self.target, list(names.values()))
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -158,6 +158,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+        if item.get_closest_marker("spark"):
+            # Under pytest-xdist (``--dist loadgroup``) every Spark test runs in one worker, which
+            # starts the one JVM (a SparkSession per process) and keeps it for all of them.
+            item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 # -- strict mode ---------------------------------------------------------------------------------

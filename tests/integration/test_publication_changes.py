@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from replication import (
@@ -137,9 +137,9 @@ def test_a_removed_table_is_no_longer_applied_and_keeps_its_rows(source_db, targ
     assert target_db.query("SELECT count(*) FROM t2") == [(200000,)]
     assert_same_rows(source_db, target_db, "t1")
     assert _state(target_db, "t2") == "removed"
-    status = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                             "--target", target_db.dsn, "--slot", "s", "--json"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    status = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                         "--target", target_db.dsn, "--slot", "s", "--json"],
+                        capture_output=True, text=True, timeout=60, cwd=REPO)
     tables = json.loads(status.stdout)["publication_tables"]
     assert {(t["schema_name"], t["table_name"], t["state"]) for t in tables} == {
         ("public", "t1", "published"), ("public", "t2", "removed")}

@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import timedelta
 
+import forked
 import pytest
 from live import applier, pgbench_load, pgbench_replica, script, servers, verify, wait_streaming
 from replication import (
@@ -207,8 +208,8 @@ def test_killed_worker_and_repair_lose_nothing(pg_pair, source_db, target_db, tm
                     stop_worker(worker)
                     worker = start_worker(source_db, target_db, log_path=log, fault=point)
                     wait_streaming(source_db, target_db)
-                repair = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          cwd=REPO, env=worker_env(point if who == "repair" else None))
+                repair = forked.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      cwd=REPO, env=worker_env(point if who == "repair" else None))
                 if who == "random":
                     time.sleep(rng.uniform(0.2, 3.0))
                     who = rng.choice(["repair", "worker", "both"])

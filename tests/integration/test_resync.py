@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from live import wait_streaming
@@ -67,9 +68,9 @@ def _setup(source_db, target_db, *tables: str) -> None:
 
 
 def resync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", "resync", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub", *extra],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "resync", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub", *extra],
+                      capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def _records(target_db, table: str) -> list[tuple]:

@@ -4,7 +4,10 @@ applier has four optional C modules, each with a Python path that does the same:
 (``protocol._speedups``, also COPY text), the lane's core (``apply._lane``), the replication
 stream's frame reader (``source._frames``) and the initial copy's relay (``sync._relay``). They
 are built at install time when a C compiler is there. Owns the rule deciding which runs: the C
-module when it is built, unless ``APPLIER_PURE_PYTHON=1``. Must never build or bind anything.
+module when it is built, unless ``APPLIER_PURE_PYTHON`` turns it off: ``1`` turns every one off,
+a comma-separated list of their names (``apply._lane``) only those, so that one accelerator can be
+ruled out alone (the oracle test runs with the lane off and the decoder on). Must never build or
+bind anything.
 """
 
 from __future__ import annotations
@@ -13,18 +16,27 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["accelerator", "pure_python"]
+__all__ = ["ACCELERATORS", "accelerator", "pure_python"]
+
+#: The C modules, by the name ``accelerator`` and ``APPLIER_PURE_PYTHON`` take.
+ACCELERATORS = ("protocol._speedups", "apply._lane", "source._frames", "sync._relay")
 
 
-def pure_python() -> bool:
-    """``APPLIER_PURE_PYTHON=1``: every stage runs its Python path (tests compare the two)."""
-    return os.environ.get("APPLIER_PURE_PYTHON") == "1"
+def pure_python(name: str | None = None) -> bool:
+    """Whether ``APPLIER_PURE_PYTHON`` turns accelerator ``name`` off (``1``: every one); without
+    a name, whether it turns every one off (tests compare the two paths)."""
+    setting = os.environ.get("APPLIER_PURE_PYTHON", "").strip()
+    if setting == "1":
+        return True
+    return name is not None and name in {part.strip() for part in setting.split(",")}
 
 
 def accelerator(name: str) -> ModuleType | None:
     """The C module ``applier.<name>`` (e.g. ``"protocol._speedups"``), or None when it is not
-    built (no C compiler at install) or ``APPLIER_PURE_PYTHON=1`` asks for the Python path."""
-    if pure_python():
+    built (no C compiler at install) or ``APPLIER_PURE_PYTHON`` asks for its Python path."""
+    if name not in ACCELERATORS:
+        raise ValueError(f"{name!r} is not one of applier's accelerators: {', '.join(ACCELERATORS)}")
+    if pure_python(name):
         return None
     try:
         return importlib.import_module(f"applier.{name}")

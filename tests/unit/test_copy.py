@@ -85,6 +85,23 @@ def test_pure_python_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert copy_module._accelerated() is None
 
 
+def test_pure_python_switch_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list of names turns only those accelerators off: the lane alone, the decoder's kept."""
+    from applier.apply.lane import core
+    from applier.implementation import accelerator
+
+    _speedups()  # built: the switch, not a missing module, decides below
+    monkeypatch.setenv("APPLIER_PURE_PYTHON", "apply._lane")
+    assert core() is None
+    assert copy_module._accelerated() is not None
+    monkeypatch.setenv("APPLIER_PURE_PYTHON", "source._frames, apply._lane")
+    assert core() is None and accelerator("source._frames") is None
+    monkeypatch.setenv("APPLIER_PURE_PYTHON", "0")
+    assert core() is not None
+    with pytest.raises(ValueError, match="not one of applier's accelerators"):
+        accelerator("apply._nothing")
+
+
 def test_copy_data_reads_back_into_the_rows_it_was_made_of() -> None:
     """A short run goes back to rows for an INSERT: text and binary data are read back exactly,
     every special byte sequence and NULL included."""

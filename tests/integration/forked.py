@@ -50,7 +50,7 @@ def _forkable(args: Any, env: dict[str, str] | None) -> bool:
     if args[3] in _NOT_FORKED:
         return False
     chosen = os.environ if env is None else env
-    return (chosen.get("APPLIER_PURE_PYTHON") == "1") == (os.environ.get("APPLIER_PURE_PYTHON") == "1")
+    return chosen.get("APPLIER_PURE_PYTHON", "").strip() == os.environ.get("APPLIER_PURE_PYTHON", "").strip()
 
 
 class _Forked(subprocess.Popen):

@@ -53,10 +53,10 @@ def run_worker(source_db, target_db, *extra: str, slot: str = "s", publication: 
     """Run ``applier run --exit-when-caught-up`` to completion: a forked child (forked.py), or
     with ``new_interpreter`` ``python -m applier`` as a user starts it. ``fault`` sets
     APPLIER_FAULT (the worker kills itself there: expect_rc=-9)."""
-    proc = (subprocess.run if new_interpreter else forked.run)(worker_command(source_db, target_db, "--exit-when-caught-up", *extra,
-                                     slot=slot, publication=publication),
-                      capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                      env=worker_env(fault))
+    command = worker_command(source_db, target_db, "--exit-when-caught-up", *extra, slot=slot,
+                             publication=publication)
+    proc = (subprocess.run if new_interpreter else forked.run)(
+        command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=worker_env(fault))
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
     if proc.returncode == -9:

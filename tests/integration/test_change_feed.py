@@ -241,6 +241,7 @@ def test_prepared_transactions_get_the_commit_prepared_lsn(source_db, target_db,
     assert ops(found) == {"I": 1002, "U": 1}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_batch_leaves_no_change_row_without_its_data_and_none_twice(
         source_db, target_db, tmp_path: Path) -> None:
     from test_worker_faults import TABLES as BANK_TABLES
@@ -274,6 +275,7 @@ def test_sigkill_mid_batch_leaves_no_change_row_without_its_data_and_none_twice(
     assert ops(changes(target_db, "branches"))["U"] >= workload.committed * 0.9
 
 
+@pytest.mark.slow
 def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, target_db,
                                                                  tmp_path: Path) -> None:
     from applier.spark.changes import HistoryNotRetained, change_range

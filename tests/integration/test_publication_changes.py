@@ -77,6 +77,7 @@ def _state(target_db, table: str) -> str | None:
     return found[0][0] if found else None
 
 
+@pytest.mark.slow
 def test_a_table_added_under_writes_is_copied_even_when_the_worker_dies_mid_copy(
         source_db, target_db, tmp_path: Path) -> None:
     _setup(source_db, target_db)

@@ -72,6 +72,7 @@ def _longest_pause(target_db) -> tuple[timedelta, timedelta]:
     return gap, copy
 
 
+@pytest.mark.slow
 def test_damage_is_reported_exactly_and_repaired_under_load(pg_pair, source_db, target_db,
                                                             tmp_path) -> None:
     for db in (source_db, target_db):
@@ -185,6 +186,7 @@ def _damage_keys(target_db, n: int) -> None:
     target_db.execute("INSERT INTO pgbench_accounts VALUES (%s, 1, 0, '')", (300000 + n,))
 
 
+@pytest.mark.slow
 def test_killed_worker_and_repair_lose_nothing(pg_pair, source_db, target_db, tmp_path) -> None:
     """verify --repair (keyed repairs and a resync) killed, or its worker killed, at the moments
     that matter and at random ones, under the load: a rerun finishes the job, and the tables end

@@ -135,6 +135,7 @@ def test_refused_before_anything_changes(source_db, target_db) -> None:
     assert_same_rows(source_db, target_db, "t1")
 
 
+@pytest.mark.slow
 def test_stopped_while_it_copies_first_the_worker_exits_cleanly(source_db, target_db, tmp_path) -> None:
     _setup(source_db, target_db, "t1")
     source_db.execute("INSERT INTO t1 SELECT g, repeat('w', 100) FROM generate_series(3001, 400000) g")

@@ -25,7 +25,7 @@ from applier.spark.reader import open_snapshot, read_table, read_tables, source_
 
 SPARK_PG = max(int(v) for v in re.split(r"[,\s]+", os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18").strip()) if v)
 
-pytestmark = [pytest.mark.server, pytest.mark.spark,
+pytestmark = [pytest.mark.server, pytest.mark.spark, pytest.mark.slow,
               pytest.mark.parametrize("pg_pair", [SPARK_PG], indirect=True, ids=[f"pg{SPARK_PG}"])]
 
 

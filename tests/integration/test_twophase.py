@@ -336,6 +336,7 @@ def test_killed_during_a_streamed_prepare(source_db, target_db, mode: str) -> No
     _nothing_left(target_db)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_prepared_transactions_under_random_kills(source_db, target_db, mode: str,
                                                   tmp_path: Path) -> None:

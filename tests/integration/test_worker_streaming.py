@@ -121,6 +121,7 @@ def _run_and_measure(source_db, target_db, spill_dir: Path, budget: str, expecte
     return peak
 
 
+@pytest.mark.slow
 def test_transaction_ten_times_the_memory_budget_spills_and_stays_bounded(source_db, target_db,
                                                                          tmp_path: Path) -> None:
     """Peak RSS grows by less than budget + 24 MB over a tiny transaction's run, while the

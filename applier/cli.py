@@ -109,6 +109,17 @@ class _Parser(argparse.ArgumentParser):
                                   f"(see {self.prog} --help for every option)\n")
 
 
+class _Version(argparse.Action):
+    """``--version``: the version and the implementation (``implementation.summary``), worked
+    out only when asked: it imports the C accelerators, which other commands may never need."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> NoReturn:
+        from .implementation import summary
+
+        print(f"applier {__version__}, {summary()}")  # on stdout, as argparse's version action
+        parser.exit()
+
+
 def _help(option: Option) -> str:
     text = option.help
     if option.default_text is not None:
@@ -146,7 +157,9 @@ def _build(command: str | None) -> tuple[argparse.ArgumentParser, dict[str, argp
                     "(protocol 1-4) and applies each source transaction exactly once to a target "
                     "database.",
         epilog=f"{_SETTINGS}\n\n{exit_code_table()}")
-    parser.add_argument("--version", action="version", version=f"applier {__version__}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="show applier's version and which implementation runs (the C "
+                             "accelerators in use, or pure Python and why), then exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subs: dict[str, argparse.ArgumentParser] = {}
     for name, summary in COMMANDS.items():

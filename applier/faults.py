@@ -15,7 +15,7 @@ import os
 import signal
 from enum import StrEnum
 
-__all__ = ["FailPoint", "hit"]
+__all__ = ["FailPoint", "arm", "hit"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,19 @@ class FailPoint(StrEnum):
     AFTER_REPAIR = "after_repair"
 
 
-_point, _, _count = os.environ.get("APPLIER_FAULT", "").partition(":")
-_remaining = int(_count or 1) if _point else 0
+_point = ""
+_remaining = 0
+
+
+def arm() -> None:
+    """Read ``APPLIER_FAULT`` (done at import; again by a process forked to become a worker,
+    which the tests do instead of starting a new interpreter)."""
+    global _point, _remaining
+    point, _, count = os.environ.get("APPLIER_FAULT", "").partition(":")
+    _point, _remaining = point, (int(count or 1) if point else 0)
+
+
+arm()
 
 
 def hit(point: FailPoint) -> None:

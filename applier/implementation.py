@@ -8,6 +8,9 @@ module when it is built, unless ``APPLIER_PURE_PYTHON`` turns it off: ``1`` turn
 a comma-separated list of their names (``apply._lane``) only those, so that one accelerator can be
 ruled out alone (the oracle test runs with the lane off and the decoder on). Must never build or
 bind anything.
+
+``summary`` says which implementation is active, as psycopg's ``pq.__impl__`` does: ``applier
+--version`` and the worker's first log line print it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import importlib
 import os
 from types import ModuleType
 
-__all__ = ["ACCELERATORS", "accelerator", "pure_python"]
+__all__ = ["ACCELERATORS", "accelerator", "pure_python", "summary"]
 
 #: The C modules, by the name ``accelerator`` and ``APPLIER_PURE_PYTHON`` take.
 ACCELERATORS = ("protocol._speedups", "apply._lane", "source._frames", "sync._relay")
@@ -42,3 +45,22 @@ def accelerator(name: str) -> ModuleType | None:
         return importlib.import_module(f"applier.{name}")
     except ImportError:
         return None
+
+
+def summary() -> str:
+    """Which implementation runs: ``C accelerators: <names>``, ``pure Python (<why>)``, or the C
+    accelerators in use and, for each other one, why its Python path runs instead. (A module
+    bound to psycopg's libpq may still fall back to Python when that library cannot be found:
+    the worker logs it when it happens.)"""
+    used = [name for name in ACCELERATORS if accelerator(name) is not None]
+    off = {name: "turned off by APPLIER_PURE_PYTHON" if pure_python(name) else "not built"
+           for name in ACCELERATORS if name not in used}
+    if not off:
+        return "C accelerators: " + ", ".join(used)
+    if not used and set(off.values()) == {"not built"}:
+        return "pure Python (no C accelerator is built)"
+    if not used and set(off.values()) == {"turned off by APPLIER_PURE_PYTHON"}:
+        return f"pure Python (APPLIER_PURE_PYTHON={os.environ['APPLIER_PURE_PYTHON'].strip()})"
+    detail = ", ".join(f"{name} ({why})" for name, why in off.items())
+    return ("C accelerators: " + ", ".join(used) + "; pure Python for " + detail if used
+            else "pure Python: " + detail)

@@ -155,10 +155,18 @@ def target_db(pg_pair: PgPair, request: pytest.FixtureRequest) -> Iterator[Datab
     yield from _fresh_db(pg_pair.target, _db_name(request, "tgt"))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own reordering (by session fixture parameter)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The slowest tests first, so that under pytest-xdist no worker is still on one of them
+    # long after the others ran out of tests (each worker starts the servers it needs).
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     for item in items:
         if SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.server)
+        if item.get_closest_marker("spark"):
+            # Under pytest-xdist (``--dist loadgroup``) every Spark test runs in one worker, which
+            # starts the one JVM (a SparkSession per process) and keeps it for all of them.
+            item.add_marker(pytest.mark.xdist_group("spark"))
 
 
 # -- strict mode ---------------------------------------------------------------------------------

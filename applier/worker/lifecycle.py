@@ -36,6 +36,7 @@ from types import FrameType
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_never
 
+from .. import __version__
 from ..apply.skipping import describe_request
 from ..assembler.buffer import default_spill_dir
 from ..config import ConfigError, Settings, mask_dsn
@@ -43,6 +44,7 @@ from ..connections import connect
 from ..errors import ApplierError, ApplyError, Cause, Directive, SourceError, cause_of, decide
 from ..exit_codes import ExitCode
 from ..headstart import HeadStart
+from ..implementation import summary
 from ..ops.metrics import Telemetry
 from ..preflight import PreflightFailed, check_source, check_start
 from ..progress.bookkeeping import SqlBookkeeping
@@ -101,6 +103,7 @@ class Worker:
     # -- lifecycle ------------------------------------------------------------------------------
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        log.info("applier %s, %s: worker for slot %r starting", __version__, summary(), self.slot)
         lock = self._lock = WorkerLock(self.settings.required("target"), self.slot)
         retention: FeedRetention | None = None
         try:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import forked
 from replication import REPO, wait_for
 
 from applier.cli import parse_settings
@@ -29,9 +30,9 @@ def pgbench_replica(pg_pair, source_db, target_db, *, extra_tables: tuple[str, .
     subprocess.run([pgbench, "-i", "-I", "dtp", "-q", target_db.dsn], check=True, capture_output=True)
     source_db.execute("INSERT INTO pgbench_history VALUES (1, 1, 1, 0, '2024-01-01', 'before')")
     source_db.execute(f"CREATE PUBLICATION pub FOR TABLE {', '.join(PGBENCH_TABLES + extra_tables)}")
-    subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn, "--target",
-                    target_db.dsn, "--slot", "s", "--publication", "pub", "--exit-when-caught-up"],
-                   check=True, capture_output=True, cwd=REPO, timeout=300)
+    forked.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn, "--target",
+                target_db.dsn, "--slot", "s", "--publication", "pub", "--exit-when-caught-up"],
+               check=True, capture_output=True, cwd=REPO, timeout=300)
 
 
 @contextlib.contextmanager
@@ -75,8 +76,8 @@ def verify(source_db, target_db, *extra: str) -> tuple[int, dict]:
 
 
 def applier(*arguments: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", *arguments], capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", *arguments], capture_output=True,
+                      text=True, timeout=timeout, cwd=REPO)
 
 
 def servers(source_db, target_db) -> list[str]:

@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+import forked
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -46,14 +48,15 @@ def worker_command(source_db, target_db, *extra: str, slot: str = "s", publicati
 
 
 def run_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
-               expect_rc: int | None = 0, timeout: float = 180,
-               fault: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``applier run --exit-when-caught-up`` to completion. ``fault`` sets APPLIER_FAULT
-    (the worker kills itself there: expect_rc=-9)."""
-    proc = subprocess.run(worker_command(source_db, target_db, "--exit-when-caught-up", *extra,
-                                         slot=slot, publication=publication),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env=worker_env(fault))
+               expect_rc: int | None = 0, timeout: float = 180, fault: str | None = None,
+               new_interpreter: bool = False) -> subprocess.CompletedProcess:
+    """Run ``applier run --exit-when-caught-up`` to completion: a forked child (forked.py), or
+    with ``new_interpreter`` ``python -m applier`` as a user starts it. ``fault`` sets
+    APPLIER_FAULT (the worker kills itself there: expect_rc=-9)."""
+    command = worker_command(source_db, target_db, "--exit-when-caught-up", *extra, slot=slot,
+                             publication=publication)
+    proc = (subprocess.run if new_interpreter else forked.run)(
+        command, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=worker_env(fault))
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-4000:]}"
     if proc.returncode == -9:
@@ -64,9 +67,9 @@ def run_worker(source_db, target_db, *extra: str, slot: str = "s", publication: 
 def start_worker(source_db, target_db, *extra: str, slot: str = "s", publication: str = "pub",
                  log_path: Path | None = None, fault: str | None = None) -> subprocess.Popen:
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    return subprocess.Popen(worker_command(source_db, target_db, *extra, slot=slot,
-                                           publication=publication),
-                            stdout=out, stderr=out, cwd=REPO, env=worker_env(fault))
+    return forked.Popen(worker_command(source_db, target_db, *extra, slot=slot,
+                                       publication=publication),
+                        stdout=out, stderr=out, cwd=REPO, env=worker_env(fault))
 
 
 def kill_worker(proc: subprocess.Popen, source_db, slot: str = "s") -> None:

@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from feed_checks import COMMITS, PENDING, change_table, changes, check_feed, ops
 from replication import (
@@ -240,6 +241,7 @@ def test_prepared_transactions_get_the_commit_prepared_lsn(source_db, target_db,
     assert ops(found) == {"I": 1002, "U": 1}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_batch_leaves_no_change_row_without_its_data_and_none_twice(
         source_db, target_db, tmp_path: Path) -> None:
     from test_worker_faults import TABLES as BANK_TABLES
@@ -273,6 +275,7 @@ def test_sigkill_mid_batch_leaves_no_change_row_without_its_data_and_none_twice(
     assert ops(changes(target_db, "branches"))["U"] >= workload.committed * 0.9
 
 
+@pytest.mark.slow
 def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, target_db,
                                                                  tmp_path: Path) -> None:
     from applier.spark.changes import HistoryNotRetained, change_range
@@ -344,7 +347,6 @@ def test_retention_drops_old_partitions_but_never_under_a_reader(source_db, targ
 
 def test_status_shows_the_retained_range_and_size(source_db, target_db) -> None:
     import json
-    import subprocess
     import sys
 
     from replication import REPO
@@ -352,17 +354,17 @@ def test_status_shows_the_retained_range_and_size(source_db, target_db) -> None:
     _setup(source_db, target_db)
     source_db.execute("INSERT INTO pk_t SELECT g, 'x', g FROM generate_series(1, 100) g")
     run_worker(source_db, target_db, "--change-feed", "all", publication="pub,pub_ins")
-    out = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                          "--target", target_db.dsn, "--slot", "s", "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=60)
+    out = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                      "--target", target_db.dsn, "--slot", "s", "--json"],
+                     capture_output=True, text=True, cwd=REPO, timeout=60)
     report = json.loads(out.stdout)
     feed = {row["table"]: row for row in report["change_feed"]}
     assert set(feed) == {f"public.{t}" for t in TABLES}
     assert feed["public.pk_t"]["retained_after"] == "0/0"
     assert feed["public.pk_t"]["bytes"] > 0
-    text = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s"],
-                          capture_output=True, text=True, cwd=REPO, timeout=60).stdout
+    text = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s"],
+                      capture_output=True, text=True, cwd=REPO, timeout=60).stdout
     assert "change feed" in text and "public.pk_t" in text
 
 

@@ -4,9 +4,9 @@ transaction an 'error' policy stopped at."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
+import forked
 import pytest
 from replication import REPO, create_slot, run_worker
 
@@ -117,8 +117,8 @@ def test_conflict_under_policy_error_stops_then_skip_resumes(source_db, target_d
     # It stops there again until the transaction is skipped.
     run_worker(source_db, target_db, "--conflict-policy", "error", expect_rc=1)
 
-    skip = subprocess.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
-                           "--slot", "s", "--lsn", lsn], capture_output=True, text=True, cwd=REPO)
+    skip = forked.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
+                       "--slot", "s", "--lsn", lsn], capture_output=True, text=True, cwd=REPO)
     assert skip.returncode == 0, skip.stderr
     assert f"finishing at {lsn} will be skipped" in skip.stdout
     run_worker(source_db, target_db, "--conflict-policy", "error")

@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import forked
 import psycopg
 import pytest
 
@@ -746,9 +747,9 @@ def test_peek_json_covers_stream_and_messages(src: Source, capsys: pytest.Captur
 
 
 def _peek_cli(src: Source, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "applier", "peek", "--source", src.db.dsn,
-                           "--timeout", "2", *args], capture_output=True, text=True, timeout=60,
-                          cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "peek", "--source", src.db.dsn,
+                       "--timeout", "2", *args], capture_output=True, text=True, timeout=60,
+                      cwd=REPO)
 
 
 def test_peek_cli_end_to_end(src: Source) -> None:
@@ -807,9 +808,9 @@ def test_peek_cli_errors(src: Source) -> None:
     proc = _peek_cli(src, "--slot", "missing", "--publication", "pub")
     assert proc.returncode == 1 and "'missing' does not exist" in proc.stderr
     dsn = "host=127.0.0.1 port=1 user=postgres password=hunter2secret dbname=x"
-    proc = subprocess.run([sys.executable, "-m", "applier", "peek", "--source", dsn, "--slot",
-                           "peek", "--publication", "pub"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    proc = forked.run([sys.executable, "-m", "applier", "peek", "--source", dsn, "--slot",
+                       "peek", "--publication", "pub"], capture_output=True, text=True,
+                      timeout=60, cwd=REPO)
     assert proc.returncode == 1 and "cannot connect" in proc.stderr
     assert "hunter2secret" not in proc.stderr + proc.stdout
 

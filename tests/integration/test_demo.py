@@ -14,6 +14,7 @@ import pytest
 pytestmark = pytest.mark.server
 
 
+@pytest.mark.slow
 def test_demo_replicates_and_verifies(pg_pair) -> None:
     """``pg_pair`` only picks the version: the demo starts (and removes) servers of its own."""
     version = pg_pair.version

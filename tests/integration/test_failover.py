@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked
 import pytest
 from failover_rig import (
     FAILOVER_PG,
@@ -47,8 +48,8 @@ on_failover_versions = pytest.mark.parametrize("pg_pair", FAILOVER_PG, indirect=
 
 
 def _applier(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=worker_env())
+    return forked.run([sys.executable, "-m", "applier", *args], capture_output=True, text=True,
+                      timeout=timeout, cwd=REPO, env=worker_env())
 
 
 def _progress(target_db, slot: str = "s") -> tuple | None:
@@ -194,11 +195,11 @@ def test_failovers_at_random_moments_lose_and_double_nothing(pg_pair, target_db,
         pgbench.initialise()
         source.db().execute(SIDE_TABLES)
         source.db().execute("CREATE PUBLICATION pub FOR ALL TABLES")
-        proc = subprocess.Popen([sys.executable, "-m", "applier", "sync", "--source", source.url(),
-                                 "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
-                                 "--two-phase", "--create-tables", "--log-level", "INFO"],
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
-                                env=worker_env())
+        proc = forked.Popen([sys.executable, "-m", "applier", "sync", "--source", source.url(),
+                             "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                             "--two-phase", "--create-tables", "--log-level", "INFO"],
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, cwd=REPO,
+                            env=worker_env())
         pgbench.ensure_running()
         side.start()
         wait_for(lambda: _count(target_db, "bulk") > 0, timeout=120, what="the copy and streaming")

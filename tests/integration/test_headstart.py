@@ -35,7 +35,8 @@ def test_the_worker_takes_the_stream_started_before_it_loaded(source_db, target_
     first = run_worker(source_db, target_db)
     assert TAKEN not in first.stderr
     source_db.execute("INSERT INTO t SELECT generate_series(101, 300)")
-    second = run_worker(source_db, target_db)
+    # A new interpreter, as a user starts it: the stream starts while the worker's modules load.
+    second = run_worker(source_db, target_db, new_interpreter=True)
     assert TAKEN in second.stderr, second.stderr[-3000:]
     assert "this session applied 1 transaction(s): 200 insert" in second.stderr
     assert_same_rows(source_db, target_db, "t")

@@ -3,11 +3,11 @@ a REPLICATION role on the source, a DML-only role plus the bookkeeping schema on
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 
+import forked
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from replication import REPO, assert_same_rows, run_worker
@@ -103,10 +103,10 @@ def test_sync_with_least_privilege_roles_keeps_indexes_it_does_not_own(source_db
     before = target_db.query(index_oid)
 
     source, target = RoleDb(source_db, replicator), RoleDb(target_db, writer)
-    proc = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source.dsn,
-                           "--target", target.dsn, "--slot", "s", "--publication", "pub",
-                           "--exit-when-caught-up"], capture_output=True, text=True, timeout=300,
-                          cwd=REPO)
+    proc = forked.run([sys.executable, "-m", "applier", "sync", "--source", source.dsn,
+                       "--target", target.dsn, "--slot", "s", "--publication", "pub",
+                       "--exit-when-caught-up"], capture_output=True, text=True, timeout=300,
+                      cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert target_db.query(index_oid) == before  # the same index, never dropped and rebuilt
     assert_same_rows(source_db, target_db, "t", "u")

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 
+import forked
 import pytest
 from replication import (
     REPO,
@@ -29,10 +30,10 @@ pytestmark = pytest.mark.server
 
 
 def run_cutover(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", "cutover", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
-                           "--timeout", "60s", *extra],
-                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "cutover", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                       "--timeout", "60s", *extra],
+                      capture_output=True, text=True, timeout=180, cwd=REPO)
 
 
 def check_line(output: str, name: str) -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from replication import (
     REPO,
@@ -30,10 +31,10 @@ pytestmark = pytest.mark.server
 
 
 def run_drop(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", "drop", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", *extra],
-                          capture_output=True, text=True, timeout=120, cwd=REPO,
-                          stdin=subprocess.DEVNULL)
+    return forked.run([sys.executable, "-m", "applier", "drop", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", *extra],
+                      capture_output=True, text=True, timeout=120, cwd=REPO,
+                      stdin=subprocess.DEVNULL)
 
 
 def slots(source_db) -> list[tuple]:
@@ -109,10 +110,10 @@ def test_keep_bookkeeping_and_a_refused_confirmation(source_db, target_db) -> No
 
 
 def _sync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
-                           "--exit-when-caught-up", "--change-feed", "all", *extra],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = forked.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                       "--exit-when-caught-up", "--change-feed", "all", *extra],
+                      capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     return done
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import forked
 import pytest
 from replication import REPO
 
@@ -31,9 +32,9 @@ HOSTILE_TABLE = '"' + HOSTILE.replace('"', '""') + '"."My Table"'
 
 
 def sequences(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", "sequences", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--publication", "pub", *extra],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "sequences", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--publication", "pub", *extra],
+                      capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def last_values(db) -> dict[str, tuple[int, bool]]:
@@ -117,10 +118,10 @@ def test_a_missing_publication_fails(source_db, target_db) -> None:
 
 def test_sync_sets_the_sequences_after_its_copy(source_db, target_db, published) -> None:
     target_db.execute("DROP TABLE unpublished")
-    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
-                           "--exit-when-caught-up", "--margin", "10"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = forked.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                       "--exit-when-caught-up", "--margin", "10"],
+                      capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-4000:]
     after = last_values(target_db)
     assert after["public.ident_id_seq"] == (17, True)

@@ -11,6 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import forked
 import pytest
 from replication import REPO, create_slot, start_worker, stop_worker, wait_for
 
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.server
 
 
 def applier(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", *args], capture_output=True, text=True,
+                      timeout=120, cwd=REPO)
 
 
 def status(source_db, target_db, *extra: str, slot: str = "s") -> tuple[int, dict]:
@@ -204,7 +205,7 @@ def test_json_logs_name_slot_lsn_xid_and_mask_passwords(source_db, target_db) ->
     source_db.execute("INSERT INTO t VALUES (1)")  # no table t on the target: a permanent error
     xid = int(source_db.query("SELECT xmin::text FROM t")[0][0])
     with_password = target_db.dsn.replace("postgres@", "postgres:hunter2@")
-    proc = subprocess.run(
+    proc = forked.run(
         [sys.executable, "-m", "applier", "run", "--source", source_db.dsn, "--target", with_password,
          "--slot", "s", "--publication", "pub", "--exit-when-caught-up", "--log-format", "json"],
         capture_output=True, text=True, timeout=120, cwd=REPO)

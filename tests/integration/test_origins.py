@@ -10,6 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from conftest import drop_replication_origins
@@ -135,16 +136,16 @@ def test_origins_are_tracked_through_a_cascade(pg_pair, source_db, target_db) ->
         assert b.query("SELECT remote_lsn FROM pg_replication_origin_status s JOIN "
                        "pg_replication_origin o ON o.roident = s.local_id WHERE o.roname = %s",
                        (_origin("ab", b),)) == [(a_end,)]
-        status = subprocess.run([sys.executable, "-m", "applier", "status", "--target", c.dsn,
-                                 "--slot", "bc", "--source", b.dsn, "--json"],
-                                capture_output=True, text=True, cwd=REPO)
+        status = forked.run([sys.executable, "-m", "applier", "status", "--target", c.dsn,
+                             "--slot", "bc", "--source", b.dsn, "--json"],
+                            capture_output=True, text=True, cwd=REPO)
         assert status.returncode == 0, status.stderr
         shown = json.loads(status.stdout)
         assert [(o["origin_name"], o["origin_lsn"]) for o in shown["origins"]] == [
             (_origin("ab", b), str(a_end))]
-        text = subprocess.run([sys.executable, "-m", "applier", "status", "--target", c.dsn,
-                               "--slot", "bc", "--source", b.dsn], capture_output=True, text=True,
-                              cwd=REPO).stdout
+        text = forked.run([sys.executable, "-m", "applier", "status", "--target", c.dsn,
+                           "--slot", "bc", "--source", b.dsn], capture_output=True, text=True,
+                          cwd=REPO).stdout
         assert f"'{_origin('ab', b)}': origin LSN {a_end}" in text
 
         # --skip-origin drops everything that came from A through B; B's own writes still pass.

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import forked
 import psycopg
 import pytest
 from psycopg import sql
@@ -41,10 +42,10 @@ def with_params(dsn: str, **params: str) -> str:
 
 def sync(source, target, *extra: str, publication: str = "pub") -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source.dsn,
-                           "--target", target.dsn, "--slot", "s", "--publication", publication,
-                           "--exit-when-caught-up", *extra], capture_output=True, text=True,
-                          timeout=300, cwd=REPO)
+    done = forked.run([sys.executable, "-m", "applier", "sync", "--source", source.dsn,
+                       "--target", target.dsn, "--slot", "s", "--publication", publication,
+                       "--exit-when-caught-up", *extra], capture_output=True, text=True,
+                      timeout=300, cwd=REPO)
     return done, time.monotonic() - started
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from replication import (
@@ -77,6 +77,7 @@ def _state(target_db, table: str) -> str | None:
     return found[0][0] if found else None
 
 
+@pytest.mark.slow
 def test_a_table_added_under_writes_is_copied_even_when_the_worker_dies_mid_copy(
         source_db, target_db, tmp_path: Path) -> None:
     _setup(source_db, target_db)
@@ -137,9 +138,9 @@ def test_a_removed_table_is_no_longer_applied_and_keeps_its_rows(source_db, targ
     assert target_db.query("SELECT count(*) FROM t2") == [(200000,)]
     assert_same_rows(source_db, target_db, "t1")
     assert _state(target_db, "t2") == "removed"
-    status = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                             "--target", target_db.dsn, "--slot", "s", "--json"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    status = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                         "--target", target_db.dsn, "--slot", "s", "--json"],
+                        capture_output=True, text=True, timeout=60, cwd=REPO)
     tables = json.loads(status.stdout)["publication_tables"]
     assert {(t["schema_name"], t["table_name"], t["state"]) for t in tables} == {
         ("public", "t1", "published"), ("public", "t2", "removed")}

@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import timedelta
 
+import forked
 import pytest
 from live import applier, pgbench_load, pgbench_replica, script, servers, verify, wait_streaming
 from replication import (
@@ -71,6 +72,7 @@ def _longest_pause(target_db) -> tuple[timedelta, timedelta]:
     return gap, copy
 
 
+@pytest.mark.slow
 def test_damage_is_reported_exactly_and_repaired_under_load(pg_pair, source_db, target_db,
                                                             tmp_path) -> None:
     for db in (source_db, target_db):
@@ -184,6 +186,7 @@ def _damage_keys(target_db, n: int) -> None:
     target_db.execute("INSERT INTO pgbench_accounts VALUES (%s, 1, 0, '')", (300000 + n,))
 
 
+@pytest.mark.slow
 def test_killed_worker_and_repair_lose_nothing(pg_pair, source_db, target_db, tmp_path) -> None:
     """verify --repair (keyed repairs and a resync) killed, or its worker killed, at the moments
     that matter and at random ones, under the load: a rerun finishes the job, and the tables end
@@ -207,8 +210,8 @@ def test_killed_worker_and_repair_lose_nothing(pg_pair, source_db, target_db, tm
                     stop_worker(worker)
                     worker = start_worker(source_db, target_db, log_path=log, fault=point)
                     wait_streaming(source_db, target_db)
-                repair = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          cwd=REPO, env=worker_env(point if who == "repair" else None))
+                repair = forked.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      cwd=REPO, env=worker_env(point if who == "repair" else None))
                 if who == "random":
                     time.sleep(rng.uniform(0.2, 3.0))
                     who = rng.choice(["repair", "worker", "both"])

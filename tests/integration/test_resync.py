@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from live import wait_streaming
@@ -67,9 +68,9 @@ def _setup(source_db, target_db, *tables: str) -> None:
 
 
 def resync(source_db, target_db, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "applier", "resync", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub", *extra],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "resync", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub", *extra],
+                      capture_output=True, text=True, timeout=120, cwd=REPO)
 
 
 def _records(target_db, table: str) -> list[tuple]:
@@ -134,6 +135,7 @@ def test_refused_before_anything_changes(source_db, target_db) -> None:
     assert_same_rows(source_db, target_db, "t1")
 
 
+@pytest.mark.slow
 def test_stopped_while_it_copies_first_the_worker_exits_cleanly(source_db, target_db, tmp_path) -> None:
     _setup(source_db, target_db, "t1")
     source_db.execute("INSERT INTO t1 SELECT g, repeat('w', 100) FROM generate_series(3001, 400000) g")

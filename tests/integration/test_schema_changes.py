@@ -5,10 +5,10 @@ ends with a row-by-row comparison."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import forked
 import pytest
 from replication import (
     REPO,
@@ -52,9 +52,9 @@ def test_a_column_added_and_written_in_the_same_transaction(source_db, target_db
     assert_same_rows(source_db, target_db, "t")
     kinds = [kind for kind, _ in _changes(target_db)]
     assert kinds == ["add_column", "add_column"]
-    status = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                             "--target", target_db.dsn, "--slot", "s", "--json"],
-                            capture_output=True, text=True, timeout=60, cwd=REPO)
+    status = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                         "--target", target_db.dsn, "--slot", "s", "--json"],
+                        capture_output=True, text=True, timeout=60, cwd=REPO)
     shown = json.loads(status.stdout)["schema_changes"]
     assert [c["kind"] for c in shown] == ["add_column", "add_column"]
 

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import forked
 import pytest
 from replication import REPO, create_slot, prepare_on_source, run_worker
 
@@ -36,8 +37,8 @@ def _failure_lsn(stderr: str) -> str:
 
 
 def _skip(target_db, lsn: str, expect_rc: int = 0) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
-                           "--slot", "s", "--lsn", lsn], capture_output=True, text=True, cwd=REPO)
+    done = forked.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
+                       "--slot", "s", "--lsn", lsn], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == expect_rc, done.stdout + done.stderr
     return done
 
@@ -165,9 +166,9 @@ def test_requests_that_cannot_match(source_db, target_db) -> None:
 
 def _skip_slot(target_db, slot: str, *extra: str) -> subprocess.CompletedProcess:
     """``applier skip`` of LSN FF/1234, ahead of anything the tests apply."""
-    return subprocess.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
-                           "--slot", slot, "--lsn", "FF/1234", *extra], capture_output=True,
-                          text=True, cwd=REPO)
+    return forked.run([sys.executable, "-m", "applier", "skip", "--target", target_db.dsn,
+                       "--slot", slot, "--lsn", "FF/1234", *extra], capture_output=True,
+                      text=True, cwd=REPO)
 
 
 def _requests(target_db) -> list[tuple]:

@@ -13,6 +13,7 @@ import threading
 import time
 from decimal import Decimal
 
+import forked
 import pytest
 
 pyspark = pytest.importorskip("pyspark")
@@ -24,7 +25,7 @@ from applier.spark.reader import open_snapshot, read_table, read_tables, source_
 
 SPARK_PG = max(int(v) for v in re.split(r"[,\s]+", os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18").strip()) if v)
 
-pytestmark = [pytest.mark.server, pytest.mark.spark,
+pytestmark = [pytest.mark.server, pytest.mark.spark, pytest.mark.slow,
               pytest.mark.parametrize("pg_pair", [SPARK_PG], indirect=True, ids=[f"pg{SPARK_PG}"])]
 
 
@@ -476,7 +477,6 @@ def test_pipeline_rounds_back_to_back(spark, source_db, target_db, tmp_path) -> 
 def test_pipeline_right_after_a_sync_that_streamed_nothing(spark, source_db, target_db, tmp_path) -> None:
     """applier sync leaves the replica at the copy's position: the pipeline tags its first
     result with it, and the next run reads the changes after it."""
-    import subprocess
     import sys
 
     from replication import REPO, run_worker
@@ -486,10 +486,10 @@ def test_pipeline_right_after_a_sync_that_streamed_nothing(spark, source_db, tar
     target_db.execute(ddl)
     source_db.execute("INSERT INTO orders SELECT g, g % 10, g FROM generate_series(1, 300) g")
     source_db.execute("CREATE PUBLICATION pub FOR TABLE orders")
-    done = subprocess.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
-                           "--change-feed", "all", "--exit-when-caught-up"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    done = forked.run([sys.executable, "-m", "applier", "sync", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", "--publication", "pub",
+                       "--change-feed", "all", "--exit-when-caught-up"],
+                      cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (position,) = target_db.query("SELECT commit_lsn::text FROM applier.progress")[0]
     first = _pipeline(tmp_path, target_db)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import forked
 import pytest
 from replication import REPO, assert_same_rows, run_worker, wait_for
 
@@ -25,10 +26,10 @@ def sync_command(source_db, target_db, *extra: str, slot: str = "s", publication
 
 def run_sync(source_db, target_db, *extra: str, expect_rc: int | None = 0, publication: str = "pub",
              timeout: float = 300, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(sync_command(source_db, target_db, "--exit-when-caught-up", *extra,
-                                       publication=publication),
-                          capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    proc = forked.run(sync_command(source_db, target_db, "--exit-when-caught-up", *extra,
+                                   publication=publication),
+                      capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                      env={**os.environ, **(env or {})})
     if expect_rc is not None:
         assert proc.returncode == expect_rc, f"rc={proc.returncode}\n{proc.stderr[-6000:]}"
     return proc
@@ -228,8 +229,8 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
         ALTER TABLE t07 ENABLE ALWAYS TRIGGER gate""")
     gate = target_db.connect()
     gate.execute("SELECT pg_advisory_lock(4242)")
-    proc = subprocess.Popen(sync_command(source_db, target_db, "--jobs", "1"), cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = forked.Popen(sync_command(source_db, target_db, "--jobs", "1"), cwd=REPO,
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for(lambda: _table_sync_exists(target_db) and len(
             [s for s, _ in sync_states(target_db).values() if s == "done"]) == 7,
@@ -282,9 +283,9 @@ def test_killed_during_copy_resumes_without_recopying(source_db, target_db) -> N
 
 
 def _status(source_db, target_db, *extra: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                           "--target", target_db.dsn, "--slot", "s", *extra], capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+    done = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                       "--target", target_db.dsn, "--slot", "s", *extra], capture_output=True,
+                      text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from replication import (
@@ -181,9 +181,9 @@ def test_prepared_transaction_pending_while_later_ones_commit(source_db, target_
         prepare_on_source(source_db, "pending", "UPDATE t SET v = 'prepared' WHERE id = 1", _events(1),
                   _big(2))
         wait_for(lambda: _held(target_db, mode) == 1, what="the prepare to be held")
-        shown = subprocess.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
-                                "--target", target_db.dsn, "--slot", "s", "--json"],
-                               capture_output=True, text=True, timeout=60)
+        shown = forked.run([sys.executable, "-m", "applier", "status", "--source", source_db.dsn,
+                            "--target", target_db.dsn, "--slot", "s", "--json"],
+                           capture_output=True, text=True, timeout=60)
         pending = json.loads(shown.stdout)["prepared_transactions"]
         assert [p["mode"] for p in pending] == [mode], shown.stdout
         # defer mode shows the source's GID; prepare mode the target's own, derived one
@@ -336,6 +336,7 @@ def test_killed_during_a_streamed_prepare(source_db, target_db, mode: str) -> No
     _nothing_left(target_db)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_prepared_transactions_under_random_kills(source_db, target_db, mode: str,
                                                   tmp_path: Path) -> None:

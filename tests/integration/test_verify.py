@@ -116,6 +116,7 @@ def test_verify_missing_objects(source_db, target_db) -> None:
 SPARK_PG = max(int(v) for v in re.split(r"[,\s]+", os.environ.get("APPLIER_TEST_PG_VERSIONS", "15,18").strip()) if v)
 
 
+@pytest.mark.slow
 @pytest.mark.spark
 @pytest.mark.parametrize("pg_pair", [SPARK_PG], indirect=True, ids=[f"pg{SPARK_PG}"])
 def test_verify_spark_engine(source_db, target_db) -> None:

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.server
 RUNS = 20
 
 
+@pytest.mark.slow
 def test_verify_under_load_is_exact(pg_pair, source_db, target_db, tmp_path) -> None:
     pgbench_replica(pg_pair, source_db, target_db)
     log = tmp_path / "worker.log"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from replication import assert_same_rows, create_slot, run_worker
+from replication import assert_same_rows, create_slot, replicated_table, run_worker
 
+from applier import __version__
 from applier.apply.lane import core as stream_lane
+from applier.implementation import summary
 
 pytestmark = pytest.mark.server
 
@@ -153,6 +155,13 @@ def test_binary_auto_turns_to_text_inside_a_transaction_applied_as_it_streams(so
     assert ["binary 'true'" in line for line in sessions] == [True, False], sessions
     assert "1 streamed transaction(s) applied as they streamed" in proc.stderr, proc.stderr[-3000:]
     assert_same_rows(source_db, target_db, "same_t", "wider_t")
+
+
+def test_the_first_log_line_names_the_version_and_the_implementation(source_db, target_db) -> None:
+    """As ``applier --version`` does: which C accelerators run, or pure Python and why."""
+    replicated_table(source_db, target_db)
+    first = run_worker(source_db, target_db).stderr.splitlines()[0]
+    assert first.endswith(f"applier {__version__}, {summary()}: worker for slot 's' starting"), first
 
 
 def test_truncate_cascade_of_fk_linked_tables(source_db, target_db) -> None:

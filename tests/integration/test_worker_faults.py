@@ -107,6 +107,7 @@ class Workload(threading.Thread):
         assert self.error is None, self.error
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_loses_and_duplicates_nothing(source_db, target_db, tmp_path: Path) -> None:
     _bank(source_db, target_db)
     workload = Workload(source_db.dsn, seed=7)
@@ -132,6 +133,7 @@ def _terminate(db, condition: str) -> int:
     return len(db.query(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {condition}"))
 
 
+@pytest.mark.slow
 def test_killed_connections_and_restarted_source_are_survived(source_db, target_db, tmp_path: Path) -> None:
     _bank(source_db, target_db)
     workload = Workload(source_db.dsn, seed=3)

@@ -27,6 +27,7 @@ def _history(target_db) -> int:
         return -1
 
 
+@pytest.mark.slow
 def test_target_restarted_at_random_moments_is_survived(source_db, target_db, tmp_path: Path) -> None:
     _bank(source_db, target_db)
     workload = Workload(source_db.dsn, seed=23)
@@ -53,6 +54,7 @@ def test_target_restarted_at_random_moments_is_survived(source_db, target_db, tm
     assert "Traceback" not in log.read_text()
 
 
+@pytest.mark.slow
 def test_connections_cut_at_random_moments_are_survived(source_db, target_db, tmp_path: Path) -> None:
     _bank(source_db, target_db)
     source_proxy = CuttingProxy(*endpoint(source_db.dsn))

@@ -9,6 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
+import forked
 import pytest
 from alembic import command
 from alembic.config import Config
@@ -161,7 +162,7 @@ def test_authentication_failure_is_permanent_and_named(source_db, target_db) -> 
     create_slot(source_db)
     command = worker_command(source_db, target_db, "--exit-when-caught-up")
     command[command.index("--source") + 1] = source_db.dsn.replace("postgres@", "no_such_role@")
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    proc = forked.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 1, proc.stderr
     assert 'role "no_such_role" does not exist' in proc.stderr
     assert "reconnecting" not in proc.stderr  # permanent: no retry loop

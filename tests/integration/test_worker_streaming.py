@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 import resource
-import subprocess
 import time
 from pathlib import Path
 
+import forked
 import psycopg
 import pytest
 from replication import (
@@ -121,6 +121,7 @@ def _run_and_measure(source_db, target_db, spill_dir: Path, budget: str, expecte
     return peak
 
 
+@pytest.mark.slow
 def test_transaction_ten_times_the_memory_budget_spills_and_stays_bounded(source_db, target_db,
                                                                          tmp_path: Path) -> None:
     """Peak RSS grows by less than budget + 24 MB over a tiny transaction's run, while the
@@ -300,11 +301,11 @@ def test_a_spill_that_cannot_be_written_stops_the_worker_for_the_operator(source
     def small_files() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
 
-    proc = subprocess.run(worker_command(source_db, target_db, "--exit-when-caught-up",
-                                         "--streamed-apply", "commit", "--memory-budget", "64kB",
-                                         "--spill-dir", str(spill_dir)),
-                          capture_output=True, text=True, timeout=180, cwd=REPO,
-                          env=worker_env(), preexec_fn=small_files)
+    proc = forked.run(worker_command(source_db, target_db, "--exit-when-caught-up",
+                                     "--streamed-apply", "commit", "--memory-budget", "64kB",
+                                     "--spill-dir", str(spill_dir)),
+                      capture_output=True, text=True, timeout=180, cwd=REPO,
+                      env=worker_env(), preexec_fn=small_files)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(rf"cannot write the spill file of streamed transaction \d+ in {re.escape(str(spill_dir))}: "

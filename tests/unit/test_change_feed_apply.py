@@ -160,6 +160,7 @@ def test_a_transaction_applied_as_it_streams_is_pending_until_its_commit() -> No
     assert change_table.newest.to_lsn > 0x5000  # the partition of its commit LSN exists
 
 
+@pytest.mark.accelerated
 def test_the_lanes_pending_change_rows_are_fixed_at_the_commit() -> None:
     if core() is None:
         pytest.fail("the lane's C core is not built (./dev test builds it)")
@@ -179,6 +180,7 @@ def test_the_lanes_pending_change_rows_are_fixed_at_the_commit() -> None:
     assert _recorded(r, "COPY applier.change_commits") == [[b"s\t0/5000\t0/5000\t{0/5000}\t{0/5008}\n"]]
 
 
+@pytest.mark.accelerated
 def test_the_lane_keeps_the_commit_row_of_each_whole_transaction_with_change_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole transactions the C lane takes: the commit and end LSN of each that wrote change rows
@@ -220,6 +222,7 @@ def test_a_partition_is_created_in_the_transaction_and_forgotten_when_it_rolls_b
     assert change_table.newest is newest and change_table.partitions == 2
 
 
+@pytest.mark.accelerated
 def test_the_lane_records_a_tables_changes_and_hands_their_order_on(tmp_path: Path) -> None:
     """Through the ingest gate: the lane takes a recorded table's inserts, updates and deletes
     with their change rows (a run of each kind; a delete's row is the target's old row, recorded

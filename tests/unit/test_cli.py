@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from applier import cli
+from applier import __version__, cli, implementation
 from applier.cli import COMMANDS, build_parser, main, parse_settings
 from applier.config import OPTIONS, options_for
 from applier.exit_codes import ExitCode
+from applier.implementation import ACCELERATORS, accelerator, pure_python
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -130,6 +131,40 @@ def test_keyboard_interrupt_exits_130(monkeypatch) -> None:
     monkeypatch.setattr(cli, "_runner", lambda command: interrupted)
     monkeypatch.setattr(cli, "configure_logging", lambda *args: None)  # leave pytest's alone
     assert main(["status"]) == ExitCode.INTERRUPTED
+
+
+# -- version ---------------------------------------------------------------------------------------
+
+def _version(**env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("APPLIER_")}
+    proc = subprocess.run([sys.executable, "-m", "applier", "--version"], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env=clean | env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_version_says_which_implementation_runs() -> None:
+    """As psycopg's ``pq.__impl__``: the C accelerators in use, or pure Python and why."""
+    if any(accelerator(name) is None for name in ACCELERATORS) and not pure_python():
+        pytest.skip("a C accelerator is not built")
+    built = ", ".join(ACCELERATORS)
+    assert _version() == f"applier {__version__}, C accelerators: {built}\n"
+    assert _version(APPLIER_PURE_PYTHON="1") == f"applier {__version__}, pure Python (APPLIER_PURE_PYTHON=1)\n"
+    assert _version(APPLIER_PURE_PYTHON="apply._lane").endswith(
+        ", sync._relay; pure Python for apply._lane (turned off by APPLIER_PURE_PYTHON)\n")
+
+
+def test_version_without_built_accelerators_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    def not_built(name: str) -> None:
+        raise ImportError(name)
+
+    monkeypatch.delenv("APPLIER_PURE_PYTHON", raising=False)
+    monkeypatch.setattr(implementation.importlib, "import_module", not_built)
+    assert implementation.summary() == "pure Python (no C accelerator is built)"
+    monkeypatch.setenv("APPLIER_PURE_PYTHON", "apply._lane")
+    assert implementation.summary() == ("pure Python: protocol._speedups (not built), apply._lane (turned "
+                                        "off by APPLIER_PURE_PYTHON), source._frames (not built), "
+                                        "sync._relay (not built)")
 
 
 # -- help ------------------------------------------------------------------------------------------

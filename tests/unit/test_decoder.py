@@ -46,8 +46,8 @@ from applier.protocol.decoder import ACCELERATED, decode_pure
 Decode = Callable[..., object]
 
 IMPLS = [
-    pytest.param(decode, id="c", marks=pytest.mark.skipif(
-        not ACCELERATED, reason="C accelerator not built (or APPLIER_PURE_PYTHON=1)")),
+    pytest.param(decode, id="c", marks=[pytest.mark.accelerated, pytest.mark.skipif(
+        not ACCELERATED, reason="C accelerator not built (or APPLIER_PURE_PYTHON=1)")]),
     pytest.param(decode_pure, id="pure"),
 ]
 

@@ -118,6 +118,7 @@ def test_valid_dml_decodes_identically(pair: tuple[bytes, bool]) -> None:
     check(data, in_stream)
 
 
+@pytest.mark.accelerated
 @pytest.mark.skipif(not ACCELERATED, reason="C accelerator not built (or APPLIER_PURE_PYTHON=1)")
 def test_c_path_takes_only_bytes_and_falls_back_for_others() -> None:
     from applier.protocol import _speedups  # type: ignore[attr-defined]
@@ -128,6 +129,7 @@ def test_c_path_takes_only_bytes_and_falls_back_for_others() -> None:
         _speedups.decode_insert(data)
 
 
+@pytest.mark.accelerated
 @pytest.mark.skipif(not ACCELERATED, reason="C accelerator not built (or APPLIER_PURE_PYTHON=1)")
 def test_c_dispatch_takes_every_argument_form_and_hands_the_rest_to_python() -> None:
     data = pg.insert(1, [b"a"], xid=7)

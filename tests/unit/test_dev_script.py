@@ -19,7 +19,9 @@ def test_help_is_the_header_comment_and_nothing_else() -> None:
         assert done.returncode == 0, done.stderr
         lines = done.stdout.splitlines()
         assert lines[0].startswith("applier's one entry point")
-        assert [line.split()[1] for line in lines[1:]] == ["demo", "test", "lint", "soak", "setup"], done.stdout
+        commands = [line.split()[1] for line in lines[1:] if line.split()[0] == "./dev"]
+        assert commands == ["demo", "test", "test", "test", "lint", "soak", "setup"], done.stdout
+        assert "./dev test --quick" in done.stdout and "./dev test --pure" in done.stdout
         assert "set -euo" not in done.stdout
 
 

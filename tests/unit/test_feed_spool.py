@@ -19,8 +19,9 @@ from applier.protocol.lsn import LSN
 T0 = datetime(2026, 11, 27, 12, 30, 1, 250_000, tzinfo=UTC)
 XID = 4711
 LANE = core()
-pytestmark = pytest.mark.skipif(LANE is None, reason="the spool restamps with the lane's C core, "
-                                "which this build lacks (APPLIER_PURE_PYTHON=1 or no compiler)")
+pytestmark = [pytest.mark.accelerated,
+              pytest.mark.skipif(LANE is None, reason="the spool restamps with the lane's C core, "
+                                 "which this build lacks (APPLIER_PURE_PYTHON=1 or no compiler)")]
 
 
 def _change_table(name: str = "t") -> ChangeTable:

@@ -23,7 +23,8 @@ from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn,
 #: the ordinary path does all the work, and the integration tests run it with and without the
 #: lane. ./dev test builds the core and fails on any skip.
 _lane = core()
-pytestmark = pytest.mark.skipif(_lane is None, reason="the lane's C core is not built (or APPLIER_PURE_PYTHON=1)")
+pytestmark = [pytest.mark.accelerated,
+              pytest.mark.skipif(_lane is None, reason="the lane's C core is not built (or APPLIER_PURE_PYTHON=1)")]
 
 END, FOREIGN, NO_RUN, PART, LIMIT = 0, 1, 2, 3, 4
 BIG = 1 << 40

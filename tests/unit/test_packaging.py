@@ -68,6 +68,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built
 
 
+@pytest.mark.slow  # pip builds the wheel, C accelerators included
 def test_wheel_has_the_entry_point_and_the_migrations(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())

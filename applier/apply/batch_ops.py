@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..progress.feed import ChangeTable
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
-from .feed import Meta
+from .feed_meta import Meta
 from .mapping import RelationMapping
 
 __all__ = ["BatchStatement", "COPY", "ChangeRowsCopy", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",

@@ -3,8 +3,8 @@ the same target transaction (``--change-feed``).
 
 Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.feed``):
 
-* the *stamp* of the source transaction being applied (commit LSN, commit time and xid, as text
-  and as binary values) and the order of its changes (``change_seq``, counted as they are
+* the *stamp* of the source transaction being applied (commit LSN, commit time and xid;
+  ``feed_meta`` encodes them) and the order of its changes (``change_seq``, counted as they are
   dispatched). A transaction whose commit is not known yet (applied as it streams, or prepared
   on the target) is stamped ``PENDING``; its rows are moved to the commit LSN in the target
   transaction that records the commit (``fix_pending``, ``fix_prepared``);
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from psycopg import pq, sql
 
@@ -43,52 +43,14 @@ from ..progress.records import TableName
 from ..protocol.lsn import LSN, to_pg_timestamp
 from ..protocol.messages import KIND_UNCHANGED, TupleData
 from .ddl import after_ddl, before_ddl
+from .feed_meta import META, Meta, Stamp, text_meta
+from .feed_spool import FeedSpool, Spooled
 from .mapping import RelationMapping
 from .statements import Statement, named, placeholder
 
-if TYPE_CHECKING:
-    from .feed_spool import FeedSpool, Spooled
-
-__all__ = ["META", "FeedWriter", "Meta", "Stamp", "binary_meta", "meta_prefix", "moved_key",
-           "text_meta"]
+__all__ = ["FeedWriter", "moved_key"]
 
 log = logging.getLogger(__name__)
-
-#: Statement parameter source: the change's meta values (``Statement.params``, beside NEW/OLD).
-META = 2
-
-
-class Stamp:
-    """A source transaction's meta values, encoded once for every change row it writes."""
-
-    __slots__ = ("commit_lsn", "commit_time", "xid", "pending", "text", "binary", "seq")
-
-    def __init__(self, commit_lsn: LSN, commit_time: datetime | None, xid: int, pending: bool) -> None:
-        if pending:
-            commit_lsn, commit_time = PENDING, None
-        self.commit_lsn = commit_lsn
-        self.commit_time = commit_time
-        self.xid = xid
-        self.pending = pending
-        self.text = (str(commit_lsn).encode(),
-                     None if commit_time is None else commit_time.isoformat().encode(),
-                     str(xid).encode())
-        self.binary = (int(commit_lsn).to_bytes(8, "big"),
-                       None if commit_time is None
-                       else to_pg_timestamp(commit_time).to_bytes(8, "big", signed=True),
-                       xid.to_bytes(8, "big", signed=True))
-        self.seq = 0
-
-
-#: One change's meta: its transaction's stamp and its order in it.
-Meta = tuple[Stamp, int]
-
-
-def text_meta(meta: Meta) -> list[bytes | None]:
-    """Commit LSN, time, xid and order as text parameters (the op is a literal)."""
-    stamp, seq = meta
-    return [*stamp.text, str(seq).encode()]
-
 
 def moved_key(mapping: RelationMapping, new: TupleData, old: TupleData | None) -> tuple[int, ...] | None:
     """An update that moved its row to another key: the positions of the old row to record as
@@ -359,19 +321,3 @@ def _restore(columns: dict[str, str], before: dict[str, str]) -> None:
 
 def _put_back(change_table: ChangeTable, newest: Partition, count: int) -> None:
     change_table.newest, change_table.partitions = newest, count
-
-
-def meta_prefix(stamp: Stamp, binary: bool) -> bytes:
-    """How each change row of ``stamp``'s transaction begins, as the lane and ``feed_sql`` write
-    it: its commit LSN, time and xid as COPY text fields, or as binary fields (after the tuple's
-    field count)."""
-    if binary:
-        return b"".join(b"\xff\xff\xff\xff" if value is None else len(value).to_bytes(4, "big") + value
-                        for value in stamp.binary)
-    return b"".join((b"\\N" if value is None else value) + b"\t" for value in stamp.text)
-
-
-def binary_meta(meta: Meta) -> tuple[bytes | None, ...]:
-    """Commit LSN, time, xid and order in their binary send formats (COPY binary)."""
-    stamp, seq = meta
-    return (*stamp.binary, seq.to_bytes(8, "big", signed=True))

@@ -25,7 +25,7 @@ from typing import IO
 from ..errors import ApplyError, Cause
 from ..progress.feed import ChangeTable
 from .copy import copy_binary_data, copy_binary_tuples
-from .feed import Stamp, meta_prefix
+from .feed_meta import Stamp, meta_prefix
 
 __all__ = ["FeedSpool", "Restamp", "Spooled"]
 
@@ -98,7 +98,7 @@ class FeedSpool:
 
     def restamped(self, pending: Stamp, commit: Stamp) -> Iterator[Spooled]:
         """The held COPYs, consecutive ones of one statement merged, each row's meta prefix
-        (``feed.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one, those
+        (``feed_meta.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one, those
         held while this runs too (sending one sends the batch's last rows first); then nothing
         is held any more."""
         while self._held:

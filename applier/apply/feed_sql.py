@@ -41,7 +41,7 @@ from .batch_ops import (
     collect,
 )
 from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
-from .feed import binary_meta, text_meta
+from .feed_meta import binary_meta, text_meta
 from .mapping import RelationMapping
 from .statements import OLD, assignments, column, delete_in_sql, delete_sql, placeholder, table, update_sql
 

@@ -36,13 +36,13 @@ from ..protocol.messages import ROW_CHANGE_TYPES, Commit, MessageType
 from .batch import KeyRun, Run
 from .fastpath import LaneRoom
 
-__all__ = ["Lane", "LaneHost", "RunMaker", "Stamp", "core", "lane_for"]
+__all__ = ["Lane", "LaneHost", "RunMaker", "LaneStamp", "core", "lane_for"]
 
 #: A run made from (columns, key positions, whether the change feed records the table).
 RunMaker = Callable[[int, tuple[int, ...], bool], "Run | KeyRun"]
 #: A transaction's change-row stamp: commit LSN, commit time (microseconds since 2000-01-01; None
 #: while the commit is not known), xid, change rows so far.
-Stamp = tuple[int, int | None, int, int]
+LaneStamp = tuple[int, int | None, int, int]
 
 #: Why the C ``Lane.take`` stopped (``_lane.c``).
 _END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
@@ -64,9 +64,9 @@ class LaneHost(Protocol):
         """Give the relation's changes of one kind ("I", "U" or "D") a run in the batch, made by
         ``make_run(columns, key positions, recorded)``, if its table can take them."""
 
-    def lane_stamp(self) -> tuple[int, Stamp | None]:
+    def lane_stamp(self) -> tuple[int, LaneStamp | None]:
         """The change feed: the commit LSN below which every change table has its partition, and
-        the stamp (``Stamp``) of the open transaction, or None when its change rows are not the
+        the stamp (``LaneStamp``) of the open transaction, or None when its change rows are not the
         lane's to write."""
 
     def lane_seq(self, seq: int) -> None:

@@ -16,7 +16,7 @@ from ..protocol.lsn import LSN
 from .batch import KeyRun, Run
 from .fastpath import FastPath, LaneRoom
 from .handlers import Handlers
-from .lane import RunMaker, Stamp
+from .lane import LaneStamp, RunMaker
 from .mapping import MappingError, RelationMapping
 from .relations import RelationCache
 from .sync_filter import SyncFilter
@@ -25,7 +25,7 @@ from .transaction import TargetTransaction
 __all__ = ["LaneSeat", "SeatOwner"]
 
 #: Without a change feed: no change table, no stamp.
-_NO_FEED: tuple[int, Stamp | None] = (0, None)
+_NO_FEED: tuple[int, LaneStamp | None] = (0, None)
 #: No recorded table has an open run: no bound on the lane's change rows.
 _NO_LIMIT = 2**64 - 1
 
@@ -95,7 +95,7 @@ class LaneSeat:
                            kind)
         return True
 
-    def lane_stamp(self) -> tuple[int, Stamp | None]:
+    def lane_stamp(self) -> tuple[int, LaneStamp | None]:
         feed = self.owner.tx.feed
         if feed is None:
             return _NO_FEED

@@ -111,7 +111,7 @@ class TargetTransaction:
         values: list[bytes | None] = []
         formats: list[int] = []
         for source, position in statement.params:
-            if source > 1:  # feed.META
+            if source > 1:  # feed_meta.META
                 values.append(meta[position])
                 formats.append(0)
                 continue

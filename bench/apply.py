@@ -41,6 +41,7 @@ load from /proc), ``apply_drain.py`` (the drains and their tables), ``apply_sust
                                     [--native-binary] [--unix-socket] [--change-feed]
     .venv/bin/python bench/apply.py --sustained [--rates 2000,5000,10000] [--duration 60] [--clients 4]
     .venv/bin/python bench/apply.py --catchup [--catchup-scales 10,50] [--catchup-clients 4,8] [--repeat 3]
+        [--catchup-without-lane]
 """
 
 from __future__ import annotations
@@ -162,13 +163,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="with --catchup: comma-separated pgbench scales (default 10)")
     parser.add_argument("--catchup-clients", default="4",
                         help="with --catchup: comma-separated pgbench client counts (default 4)")
+    parser.add_argument("--catchup-without-lane", action="store_true",
+                        help="with --catchup: one more contender, 'no lane': our worker with the C "
+                             "lane turned off (APPLIER_PURE_PYTHON=apply._lane), the decoder and "
+                             "the other accelerators on; what the lane gains on these drains")
     args = parser.parse_args(argv)
     if args.catchup:
         compileall.compile_dir(str(ROOT / "applier"), quiet=1)
         print(f"catch-up drains on PostgreSQL {args.pg_version} ({os.cpu_count()} cores, commit "
               f"{_commit()}; load average {load_average()})", flush=True)
         ok = run_catchup(args.pg_version, [int(s) for s in args.catchup_scales.split(",")],
-                         [int(c) for c in args.catchup_clients.split(",")], max(args.repeat, 1))
+                         [int(c) for c in args.catchup_clients.split(",")], max(args.repeat, 1),
+                         without_lane=args.catchup_without_lane)
         return 0 if ok else 1
     if args.baseline is not None and not (args.baseline / "applier" / "__main__.py").is_file():
         parser.error(f"--baseline {args.baseline}: no applier checkout there")

@@ -96,9 +96,14 @@ def _watch_first_row(target: Database, started: float, stop: list[bool]) -> floa
     return None
 
 
-def drain_ours(source: Database, target: Database, end_lsn: str) -> Drain:
+#: Our worker with the C lane turned off (issue 43 asks what the lane gains on these drains).
+NO_LANE = "no lane"
+_ENVIRONMENT = {NO_LANE: {"APPLIER_PURE_PYTHON": "apply._lane"}}
+
+
+def drain_ours(source: Database, target: Database, end_lsn: str, contender: str = "applier") -> Drain:
     """A new ``applier run`` process, with nothing but its four settings, stopped (SIGTERM) once
-    the slot confirmed the end."""
+    the slot confirmed the end; ``contender`` names it, and chooses its environment."""
     import threading
 
     command = [sys.executable, "-m", "applier", "run", "--source", source.dsn, "--target", target.dsn,
@@ -107,7 +112,8 @@ def drain_ours(source: Database, target: Database, end_lsn: str) -> Drain:
     stop = [False]
     first: list[float | None] = [None]
     started = watch.start()
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, **_ENVIRONMENT.get(contender, {})}
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     thread = threading.Thread(target=lambda: first.__setitem__(0, _watch_first_row(target, started, stop)))
     thread.start()
     watch.wait(timeout=600)
@@ -117,7 +123,7 @@ def drain_ours(source: Database, target: Database, end_lsn: str) -> Drain:
     _, err = proc.communicate(timeout=60)
     if proc.returncode != 0 or watch.visible is None or watch.confirmed is None:
         raise SystemExit(f"applier run failed (status {proc.returncode}):\n{err.decode()[-3000:]}")
-    return Drain("applier", watch.visible, watch.confirmed, first[0])
+    return Drain(contender, watch.visible, watch.confirmed, first[0])
 
 
 def drain_native(source: Database, target: Database, end_lsn: str) -> Drain:
@@ -143,23 +149,28 @@ def drain_native(source: Database, target: Database, end_lsn: str) -> Drain:
 
 
 def run_catchup(pg_version: int, scales: Sequence[int], clients: Sequence[int], repeat: int,
-                transactions: int = 50_000) -> bool:
+                transactions: int = 50_000, without_lane: bool = False) -> bool:
+    """Every drain, contenders alternating; ``without_lane`` adds our worker with the lane off
+    (``NO_LANE``) as a third. False when a target differed from the source."""
     source_server, target_server = servers(pg_version)
+    contenders = ("native", "applier", *((NO_LANE,) if without_lane else ()))
     ok = True
     try:
         source = source_server.create_database("catchup")
-        targets = {name: target_server.create_database(f"catchup_{name}") for name in ("native", "applier")}
+        targets = {name: target_server.create_database("catchup_" + name.replace(" ", "_"))
+                   for name in contenders}
         for scale in scales:
             for count in clients:
                 drains: list[Drain] = []
                 for _ in range(repeat):
-                    for contender in ("native", "applier"):
+                    for contender in contenders:
                         target = targets[contender]
                         end = _backlog(source, scale, count, transactions)
                         _prepare(target, scale)
                         checkpoint(source_server)
                         checkpoint(target_server)
-                        drain = (drain_native if contender == "native" else drain_ours)(source, target, end)
+                        drain = (drain_native(source, target, end) if contender == "native"
+                                 else drain_ours(source, target, end, contender))
                         drain.equal = same(source, target, (*PGBENCH_TABLES, MARKER_TABLE))
                         ok &= drain.equal
                         drains.append(drain)
@@ -167,7 +178,7 @@ def run_catchup(pg_version: int, scales: Sequence[int], clients: Sequence[int], 
                               f"confirmed {drain.confirmed:.2f} s"
                               + (f", first row {drain.first_row:.2f} s" if drain.first_row else "")
                               + ("" if drain.equal else ", TARGET DIFFERS"), flush=True)
-                _print(scale, count, drains)
+                _print(scale, count, drains, contenders[1:])
     finally:
         drop_applier_origins(target_server)
         source_server.cleanup()
@@ -176,20 +187,25 @@ def run_catchup(pg_version: int, scales: Sequence[int], clients: Sequence[int], 
     return ok
 
 
-def _print(scale: int, clients: int, drains: list[Drain]) -> None:
+def _print(scale: int, clients: int, drains: list[Drain], ours: Sequence[str]) -> None:
     def each(contender: str, field: str) -> list[float]:
         return [getattr(d, field) for d in drains if d.contender == contender and getattr(d, field) is not None]
 
     print(f"catch-up, pgbench scale {scale}, {clients} clients, 50,000 transactions (medians; each run):")
     for field, label in (("visible", "until the last row is visible"),
                          ("confirmed", "until the slot confirmed the end")):
-        native, ours = each("native", field), each("applier", field)
-        ratio = statistics.median(native) / statistics.median(ours)
-        print(f"  {label:<34} native {statistics.median(native):5.2f} s ({_list(native)})  "
-              f"applier {statistics.median(ours):5.2f} s ({_list(ours)})  ours/native {ratio:.2f}x")
-    first = each("applier", "first_row")
-    if first:
-        print(f"  applier start-up (start to first row visible): {statistics.median(first):.2f} s ({_list(first)})")
+        native = each("native", field)
+        print(f"  {label:<34} native {statistics.median(native):5.2f} s ({_list(native)})")
+        for contender in ours:
+            times = each(contender, field)
+            ratio = statistics.median(native) / statistics.median(times)
+            print(f"  {'':<34} {contender} {statistics.median(times):5.2f} s ({_list(times)})  "
+                  f"ours/native {ratio:.2f}x")
+    for contender in ours:
+        first = each(contender, "first_row")
+        if first:
+            print(f"  {contender} start-up (start to first row visible): {statistics.median(first):.2f} s "
+                  f"({_list(first)})")
 
 
 def _list(values: list[float]) -> str:

@@ -12,8 +12,9 @@ backlog of many small transactions, which fills the socket at once, does not kee
 waiting.
 
 Owns that one start. Must never parse the stream or confirm anything: the worker adopts the
-stream only after all of its own checks (bookkeeping schema, worker lock, slot, publications)
-and only if its first session would have started exactly this one (same position, options and
+stream only after all of its own checks (bookkeeping schema, worker lock, slot, publications,
+the source server against the target's records, which is checked here too before anything
+starts) and only if its first session would have started exactly this one (same position, options and
 encoding); otherwise the stream is closed. Any failure here just means no head start: the worker
 then meets the same problem itself and reports it.
 """
@@ -33,6 +34,7 @@ from .errors import SourceError
 from .progress.bookkeeping import SqlBookkeeping
 from .protocol.lsn import LSN
 from .source import ReplicationStream, StreamOptions, UnsupportedOption, options_for
+from .source.lineage import check_lineage, missing_slot
 from .source.slots import slot_info
 
 __all__ = ["HeadStart", "start_early"]
@@ -112,7 +114,9 @@ def start_early(settings: Settings) -> HeadStart | None:
         with connect(settings.required("target"), autocommit=True,
                              application_name=f"applier {slot} (start)") as target:
             encoding = target.info.parameter_status("server_encoding") or "UTF8"
-            applied = SqlBookkeeping(target).position(slot)
+            bookkeeping = SqlBookkeeping(target)
+            applied = bookkeeping.position(slot)
+            recorded = bookkeeping.source_identity(slot)
         with connect(settings.required("source"), autocommit=True,
                              application_name="applier control") as control:
             info = slot_info(control, slot)
@@ -127,8 +131,13 @@ def start_early(settings: Settings) -> HeadStart | None:
         stream.connect()
         # The worker checks this server against the target's records before it takes the
         # stream (worker.session), and that must be read before START_REPLICATION; with it the
-        # source's WAL position, the goal of --exit-when-caught-up.
-        stream.read_lineage()
+        # source's WAL position, the goal of --exit-when-caught-up. A server the target's
+        # progress did not come from gets no START_REPLICATION at all: the stream's keepalive
+        # replies would confirm the target's position on its slot of that name.
+        lineage = stream.read_lineage()
+        if lineage.slot is None:
+            raise missing_slot(slot, applied)
+        check_lineage(slot, lineage, recorded, applied)
         stream.start(start_lsn, wait_for_slot=False)
     except (psycopg.Error, SourceError, UnsupportedOption) as exc:
         log.debug("no head start: %s", str(exc).strip())

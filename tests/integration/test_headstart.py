@@ -90,6 +90,24 @@ def test_anything_in_the_way_means_no_head_start(source_db, target_db) -> None:
         holder.close()
 
 
+def test_no_stream_is_started_on_a_server_the_targets_progress_did_not_come_from(
+        pg_pair, source_db, target_db) -> None:
+    """A slot of that name on another server: no START_REPLICATION there, whose keepalive
+    replies would confirm the target's position on that server's slot."""
+    replicated_table(source_db, target_db)
+    source_db.execute("INSERT INTO t SELECT generate_series(1, 5)")
+    run_worker(source_db, target_db)
+    other = pg_pair.target.create_database(f"other_{target_db.name}"[:60])
+    try:
+        other.execute("CREATE TABLE t (id int PRIMARY KEY)")
+        other.execute("CREATE PUBLICATION pub FOR TABLE t")
+        other.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+        assert start_early(_settings(other, target_db)) is None
+        assert other.query("SELECT active FROM pg_replication_slots WHERE slot_name = 's'") == [(False,)]
+    finally:
+        pg_pair.target.drop_database(other.name)
+
+
 def test_the_stream_is_received_ahead_within_a_quarter_of_the_memory_budget(source_db, target_db,
                                                                            caplog) -> None:
     """While the worker loads, a thread receives what the source sends into libpq's buffer (the

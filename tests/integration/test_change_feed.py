@@ -22,6 +22,8 @@ from replication import (
     wait_for,
 )
 
+from applier.implementation import accelerator
+
 pytestmark = pytest.mark.server
 
 SCHEMA = """
@@ -198,9 +200,13 @@ def test_streamed_transactions_with_aborted_subtransactions(source_db, target_db
     # Applied as it streamed, the transaction's COPYs of change rows were held back until its
     # commit and written once, with its commit LSN: only its deletes (recorded from the target's
     # old rows) went through the pending partition. Applied at its commit, nothing did.
+    # (The spool is the lane's: without it, in pure Python, the rows go through the pending
+    # partition and are moved at the commit, as the count of PENDING rows above checks.)
     inserted = _pending_rows_inserted(target_db, "pk_t")
-    if streamed_apply == "early":
+    if streamed_apply == "early" and accelerator("apply._lane") is not None:
         assert inserted == 100, inserted  # its 100 deletes
+    elif streamed_apply == "early":
+        assert inserted >= 2000 + 500 + 100, inserted  # its inserts, updates and deletes
     else:
         assert inserted == 0
 

@@ -21,6 +21,7 @@ import os
 import random
 import re
 import time
+import traceback
 from collections import Counter
 from collections.abc import Iterator
 
@@ -169,4 +170,10 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return str(exc) + "".join(f"\n--- {i}: {_describe(sub)}"
                                   for i, sub in enumerate(exc.exceptions, 1))
-    return str(exc)
+    text = str(exc)
+    if text:
+        return text
+    # An exception without words (a bare assert, a timeout): its type and where it was raised.
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    return type(exc).__name__ + "".join(f" at {frame.filename}:{frame.lineno} ({frame.line})"
+                                        for frame in where)

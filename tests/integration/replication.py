@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import forked
@@ -131,3 +132,18 @@ def worker_env(fault: str | None = None) -> dict[str, str]:
     if fault:
         env["APPLIER_FAULT"] = fault
     return env
+
+
+@contextmanager
+def slot_of_that_name_elsewhere(pg_pair, target_db) -> Iterator:
+    """A database on another server than the source (the target's: another system identifier)
+    with table t, publication pub and a slot named 's' of its own: not the slot the target's
+    progress came from. Dropped at the end."""
+    other = pg_pair.target.create_database(f"other_{target_db.name}"[:60])
+    try:
+        other.execute("CREATE TABLE t (id int PRIMARY KEY)")
+        other.execute("CREATE PUBLICATION pub FOR TABLE t")
+        other.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+        yield other
+    finally:
+        pg_pair.target.drop_database(other.name)

@@ -31,6 +31,7 @@ from replication import (
     assert_same_rows,
     replicated_table,
     run_worker,
+    slot_of_that_name_elsewhere,
     start_worker,
     stop_worker,
     wait_for,
@@ -131,11 +132,7 @@ def test_another_server_with_a_slot_of_that_name_is_refused(pg_pair, source_db, 
     replicated_table(source_db, target_db)
     source_db.execute("INSERT INTO t SELECT generate_series(1, 5)")
     run_worker(source_db, target_db)
-    other = pg_pair.target.create_database(f"other_{target_db.name}"[:60])
-    try:
-        other.execute("CREATE TABLE t (id int PRIMARY KEY)")
-        other.execute("CREATE PUBLICATION pub FOR TABLE t")
-        other.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+    with slot_of_that_name_elsewhere(pg_pair, target_db) as other:
         other.execute("INSERT INTO t SELECT generate_series(100, 105)")
         before = _target_state(target_db, "t")
         slot_before = other.query("SELECT confirmed_flush_lsn FROM pg_replication_slots WHERE slot_name = 's'")
@@ -145,8 +142,6 @@ def test_another_server_with_a_slot_of_that_name_is_refused(pg_pair, source_db, 
         assert _target_state(target_db, "t") == before
         assert other.query("SELECT confirmed_flush_lsn FROM pg_replication_slots "
                            "WHERE slot_name = 's'") == slot_before
-    finally:
-        pg_pair.target.drop_database(other.name)
 
 
 # -- failover slots where the source has them, a clear message where it has not ------------------

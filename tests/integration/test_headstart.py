@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from replication import assert_same_rows, replicated_table, run_worker, wait_for
+from replication import assert_same_rows, replicated_table, run_worker, slot_of_that_name_elsewhere, wait_for
 
 from applier.config import load_settings
 from applier.headstart import start_early
@@ -97,15 +97,9 @@ def test_no_stream_is_started_on_a_server_the_targets_progress_did_not_come_from
     replicated_table(source_db, target_db)
     source_db.execute("INSERT INTO t SELECT generate_series(1, 5)")
     run_worker(source_db, target_db)
-    other = pg_pair.target.create_database(f"other_{target_db.name}"[:60])
-    try:
-        other.execute("CREATE TABLE t (id int PRIMARY KEY)")
-        other.execute("CREATE PUBLICATION pub FOR TABLE t")
-        other.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+    with slot_of_that_name_elsewhere(pg_pair, target_db) as other:
         assert start_early(_settings(other, target_db)) is None
         assert other.query("SELECT active FROM pg_replication_slots WHERE slot_name = 's'") == [(False,)]
-    finally:
-        pg_pair.target.drop_database(other.name)
 
 
 def test_the_stream_is_received_ahead_within_a_quarter_of_the_memory_budget(source_db, target_db,

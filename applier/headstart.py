@@ -120,11 +120,10 @@ def start_early(settings: Settings) -> HeadStart | None:
         with connect(settings.required("source"), autocommit=True,
                              application_name="applier control") as control:
             info = slot_info(control, slot)
-            version = control.info.server_version
-        if info is None or info.plugin != "pgoutput":
-            log.debug("no head start: slot %r is missing or not pgoutput", slot)
-            return None
-        options = options_for(settings, version, info.two_phase)
+            if info is None or info.plugin != "pgoutput":
+                log.debug("no head start: slot %r is missing or not pgoutput", slot)
+                return None
+            options = options_for(settings, control, info.two_phase)
         start_lsn = applied.end_lsn if applied is not None else LSN(0)
         stream = ReplicationStream(settings.required("source"), slot, options,
                                    status_interval=settings.status_interval, client_encoding=encoding)

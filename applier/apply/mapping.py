@@ -16,15 +16,12 @@ import psycopg
 from ..connections import connect
 from ..errors import ApplierError, Cause
 from ..progress.feed import ChangeTable
-from ..protocol.messages import Relation
+from ..protocol.messages import FIRST_NORMAL_OID, Relation
 from ..queries import rows
 from ..quoting import ident, qualified
 
 __all__ = ["TargetColumn", "TargetTable", "RelationMapping", "MappingError", "MissingTargetTable",
-           "MissingTargetColumn", "Reflector", "reflect_table", "map_relation", "FIRST_NORMAL_OID"]
-
-#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
-FIRST_NORMAL_OID = 16384
+           "MissingTargetColumn", "Reflector", "reflect_table", "map_relation"]
 
 
 class MappingError(ApplierError):

@@ -45,9 +45,9 @@ from psycopg import sql
 
 from ..errors import ApplyError, Cause
 from ..progress.records import SchemaChange
-from ..protocol.messages import Relation, RelationColumn, Type
+from ..protocol.messages import FIRST_NORMAL_OID, Relation, RelationColumn, Type
 from .ddl import DDL_INLINE, after_ddl, before_ddl
-from .mapping import FIRST_NORMAL_OID, TargetColumn, TargetTable
+from .mapping import TargetColumn, TargetTable
 from .source_catalog import AddedColumn
 from .transaction import TargetTransaction
 

@@ -23,8 +23,11 @@ __all__ = [
     "Begin", "Commit", "Origin", "Relation", "Type", "Insert", "Update", "Delete", "Truncate",
     "Message", "StreamStart", "StreamStop", "StreamCommit", "StreamAbort", "BeginPrepare",
     "Prepare", "CommitPrepared", "RollbackPrepared", "StreamPrepare", "ReplicationMessage",
-    "KIND_NULL", "KIND_UNCHANGED", "KIND_TEXT", "KIND_BINARY",
+    "KIND_NULL", "KIND_UNCHANGED", "KIND_TEXT", "KIND_BINARY", "FIRST_NORMAL_OID",
 ]
+
+#: Types with an OID below this are built in: identical OIDs (and binary formats) everywhere.
+FIRST_NORMAL_OID = 16384
 
 
 class MessageType(IntEnum):

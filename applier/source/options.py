@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
-from ..config import Settings
-from ..quoting import ident
+import psycopg
 
-__all__ = ["StreamOptions", "UnsupportedOption", "max_protocol_version", "options_for",
-           "resolve_stream_options"]
+from ..config import Settings
+from ..protocol.messages import FIRST_NORMAL_OID
+from ..quoting import ident, qualified
+
+__all__ = ["StreamOptions", "UnsupportedOption", "max_protocol_version", "not_built_in",
+           "options_for", "resolve_stream_options"]
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedOption(ValueError):
@@ -112,14 +118,44 @@ def resolve_stream_options(server_version_num: int, publications: list[str], *,
                          two_phase, binary, messages, origin)
 
 
-def options_for(settings: Settings, server_version_num: int, slot_two_phase: bool, *,
+def options_for(settings: Settings, control: psycopg.Connection, slot_two_phase: bool, *,
                 text_values: bool = False) -> StreamOptions:
-    """The options a worker with ``settings`` asks of this source. Binary values with ``--binary
-    on``, and with ``auto`` from PostgreSQL 14 on unless a relation already needed text values
-    (``text_values``: the worker then stays on text)."""
-    auto_binary = settings.binary == "auto" and not text_values and server_version_num >= 140000
+    """The options a worker with ``settings`` asks of the source ``control`` is connected to.
+    Binary values with ``--binary on``, and with ``auto`` from PostgreSQL 14 on unless a relation
+    already needed text values (``text_values``: the worker then stays on text) or a published
+    column has a type that is not built in (read from the catalogs here, so that the first
+    session asks for text values rather than restarting on its first such Relation)."""
+    version = control.info.server_version
+    auto_binary = settings.binary == "auto" and not text_values and version >= 140000
+    if auto_binary:
+        table = not_built_in(control, settings.publication)
+        if table is not None:
+            log.info("text values: published table %s has a column of a type that is not built "
+                     "in, whose binary values would not mean the same on the target (--binary "
+                     "auto)", table)
+            auto_binary = False
     return resolve_stream_options(
-        server_version_num, settings.publication, proto_version=settings.proto_version,
+        version, settings.publication, proto_version=settings.proto_version,
         streaming=settings.streaming, two_phase=settings.two_phase, slot_two_phase=slot_two_phase,
         binary=settings.binary == "on" or auto_binary, messages=settings.messages,
         origin=settings.origin)
+
+
+_NOT_BUILT_IN = """
+    SELECT p.schemaname, p.tablename
+    FROM pg_catalog.pg_publication_tables p
+    JOIN pg_catalog.pg_namespace n ON n.nspname = p.schemaname
+    JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid AND c.relname = p.tablename
+    JOIN pg_catalog.pg_attribute a ON a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped
+    WHERE p.pubname = ANY(%(publications)s) AND a.atttypid >= %(first)s {published}
+    ORDER BY 1, 2 LIMIT 1
+"""
+
+
+def not_built_in(control: psycopg.Connection, publications: list[str]) -> str | None:
+    """A published table (its quoted name) with a published column whose type is not built in,
+    or None. (Before PostgreSQL 15 every column is published.)"""
+    published = "AND a.attname = ANY(p.attnames)" if control.info.server_version >= 150000 else ""
+    row = control.execute(_NOT_BUILT_IN.format(published=published),
+                          {"publications": publications, "first": FIRST_NORMAL_OID}).fetchone()
+    return qualified(row[0], row[1]) if row else None

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import psycopg
 
-from ..apply.mapping import FIRST_NORMAL_OID
 from ..errors import ApplierError, Cause
+from ..protocol.messages import FIRST_NORMAL_OID
 from ..quoting import qualified
 
 __all__ = ["PublishedTable", "SourceColumn", "CatalogError", "published_tables",

@@ -123,7 +123,7 @@ class ReplicationSession:
             records = self._records()
             slot_two_phase = self._check_source(control, records)
             try:
-                options = options_for(settings, control.info.server_version, slot_two_phase,
+                options = options_for(settings, control, slot_two_phase,
                                       text_values=state.text_values)
             except UnsupportedOption as exc:
                 raise ConfigError(str(exc)) from None

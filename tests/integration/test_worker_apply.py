@@ -73,8 +73,8 @@ TABLES = ["pk_t", "full_t", "idx_t", "nothing_t", "toast_t", "parent_t", "child_
 
 @pytest.mark.parametrize("mode", ["off", "on", "auto"])
 def test_every_row_shape_and_type(source_db, target_db, mode: str) -> None:
-    """Text values, binary values, and auto: binary until types_t (an enum, a composite: not
-    built in) turns the session to text."""
+    """Text values, binary values, and auto: text from the start, since types_t (an enum, a
+    composite) has types that are not built in, as the catalogs say before the stream starts."""
     source_db.execute(SCHEMA)
     target_db.execute(SCHEMA)
     source_db.execute("CREATE PUBLICATION pub FOR TABLE pk_t, full_t, idx_t, toast_t, parent_t, "
@@ -89,9 +89,10 @@ def test_every_row_shape_and_type(source_db, target_db, mode: str) -> None:
     proc = run_worker(source_db, target_db, "--binary", mode, publication="pub,pub_ins")
     sessions = [line for line in proc.stderr.splitlines() if "streaming from" in line]
     assert ["binary 'true'" in line for line in sessions] == {"off": [False], "on": [True],
-                                                             "auto": [True, False]}[mode], sessions
+                                                             "auto": [False]}[mode], sessions
     if mode == "auto":
-        assert 'the types of "public"."types_t" differ between source and target' in proc.stderr
+        assert ('published table "public"."types_t" has a column of a type that is not built in'
+                in proc.stderr)
 
     assert_same_rows(source_db, target_db, *TABLES)
     # The unchanged TOAST value was kept, not replaced by a placeholder.
@@ -132,6 +133,35 @@ def test_binary_auto_loads_identical_built_in_types_in_binary_and_turns_to_text_
     sessions = [line for line in second.stderr.splitlines() if "streaming from" in line]
     assert ["binary 'true'" in line for line in sessions] == [True, False], sessions
     assert_same_rows(source_db, target_db, "same_t", "wider_t")
+
+
+def test_binary_auto_asks_for_text_values_from_the_start_for_a_type_that_is_not_built_in(
+        source_db, target_db) -> None:
+    """An enum (and an array of it) is not built in, which the catalogs say before the stream
+    starts: the first session asks for text values, so no session restarts on its Relation. (A
+    restart of a fresh two-phase slot is what PostgreSQL 15 could not decode; the soak's seed
+    4335.) A column list leaving such a column out keeps binary values."""
+    types = "CREATE TYPE mood AS ENUM ('low', 'high'); "
+    table = "CREATE TABLE moods (id int PRIMARY KEY, m mood, ms mood[], n int)"
+    for db in (source_db, target_db):
+        db.execute(types + table + "; CREATE TABLE plain (id int PRIMARY KEY, m mood)")
+    source_db.execute("CREATE PUBLICATION pub FOR TABLE moods; "
+                      "CREATE PUBLICATION plain_pub FOR TABLE plain (id)")
+    create_slot(source_db, two_phase=True)
+    create_slot(source_db, "p")
+    source_db.execute("INSERT INTO moods SELECT g, 'low', ARRAY['high', 'low']::mood[], g "
+                      "FROM generate_series(1, 50) g")
+    source_db.execute("INSERT INTO plain SELECT g, 'high' FROM generate_series(1, 5) g")
+    proc = run_worker(source_db, target_db)
+    sessions = [line for line in proc.stderr.splitlines() if "streaming from" in line]
+    assert len(sessions) == 1 and "binary 'true'" not in sessions[0], proc.stderr[-3000:]
+    assert 'published table "public"."moods" has a column of a type that is not built in' \
+        in proc.stderr
+    assert_same_rows(source_db, target_db, "moods")
+    plain = run_worker(source_db, target_db, slot="p", publication="plain_pub")
+    sessions = [line for line in plain.stderr.splitlines() if "streaming from" in line]
+    assert len(sessions) == 1 and "binary 'true'" in sessions[0], plain.stderr[-3000:]
+    assert target_db.query("SELECT count(*), count(m) FROM plain") == [(5, 0)]
 
 
 def test_binary_auto_turns_to_text_inside_a_transaction_applied_as_it_streams(source_db,

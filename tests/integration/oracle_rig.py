@@ -27,17 +27,18 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import psycopg
 from oracle_compare import columns, contents, difference, has_marker
 from oracle_execute import Script, run_workload
 from oracle_schema import MARKER, Schema
-from oracle_servers import RECOVERY_SECONDS, ServerLog, connect, drop_origins, execute, is_subscriber_crash, sessions
+from oracle_servers import RECOVERY_SECONDS, ServerLog, drop_origins, execute, is_subscriber_crash, sessions
 from oracle_values import ident, literal, qualified
 from oracle_workload import Workload
 
-from applier.embedded import PostgresServer
+from applier.embedded import ClusterError, PostgresServer
 from applier.progress.schema import ensure_schema
 
 __all__ = ["ROUTES", "SOAK_ROUTES", "Oracle", "Outcome", "Route"]
@@ -90,6 +91,10 @@ class Outcome:
     #: Where target A and the source differ (as they may: a partition truncated alone is not
     #: published through its root).
     native_vs_source: str | None = None
+    #: PostgreSQL's decoder refused the WAL of the native subscription's slot (no consumer gets
+    #: past it), and the routes whose workers met the same error on their slots.
+    undecodable: str | None = None
+    undecodable_routes: list[str] = field(default_factory=list)
     script: Script | None = None
     #: Seconds each phase took (create, workload, wait, compare, drop).
     seconds: dict[str, float] = field(default_factory=dict)
@@ -148,7 +153,7 @@ class Oracle:
             clock.lap("workload")
             if not live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=True)
-            failures, outcome.native_refused = self._wait(names, workers, logs)
+            failures, outcome.native_refused = self._wait(names, workers, logs, outcome)
             clock.lap("wait")
             self._compare(schema, source_db, names, failures, outcome)
             clock.lap("compare")
@@ -231,10 +236,12 @@ class Oracle:
         return workers
 
     # -- waiting ---------------------------------------------------------------------------------
-    def _wait(self, names: dict[str, str], workers: dict[str, subprocess.Popen], logs: Path
-              ) -> tuple[dict[str, str], str | None]:
+    def _wait(self, names: dict[str, str], workers: dict[str, subprocess.Popen], logs: Path,
+              outcome: Outcome) -> tuple[dict[str, str], str | None]:
         """Until every consumer holds the marker. Returns the routes that failed (why) and why
-        PostgreSQL's subscriber could not take the example (None: it could)."""
+        PostgreSQL's subscriber could not take the example (None: it could). Where the source
+        could not decode the native slot's WAL, a route whose slot failed the same way is not a
+        failure of its own (``outcome.undecodable_routes``)."""
         failures: dict[str, str] = {}
         refused = None
         pending = set(names)
@@ -249,14 +256,20 @@ class Oracle:
                         self.caught_up[name] = time.monotonic() - started
                         continue
                     worker = workers.get(name)
-                    if worker is not None and worker.poll() is not None:
+                    undecodable = outcome.undecodable
+                    if (undecodable is not None and name != "native" and self.logs[
+                            self.source.name].walsender_error(names[name]) == undecodable):
+                        outcome.undecodable_routes.append(name)
+                        pending.discard(name)
+                    elif worker is not None and worker.poll() is not None:
                         if not has_marker(lambda q: polled.query(name, q)):  # just committed?
                             failures[name] = (f"the worker exited with code {worker.returncode} "
                                               f"before applying everything:\n"
                                               f"{_tail(logs / (names[name] + '.log'))}")
                             pending.discard(name)
                     elif name == "native":
-                        refused = self._refusal(lambda q: polled.query(name, q))
+                        refused = self._refusal(lambda q: polled.query(name, q), names[name],
+                                                outcome)
                         if refused is not None:
                             pending.discard(name)
                 time.sleep(0.1)
@@ -268,11 +281,17 @@ class Oracle:
                                   f"{_tail(logs / (names[name] + '.log'))}")
         return failures, refused
 
-    def _refusal(self, query: Callable[[str], list[tuple]]) -> str | None:
-        """Why PostgreSQL's subscriber stopped (an error, or its crash: the subscription is then
-        disabled, so that it does not go on failing), or None while it goes on."""
+    def _refusal(self, query: Callable[[str], list[tuple]], slot: str,
+                 outcome: Outcome) -> str | None:
+        """Why PostgreSQL's subscriber stopped (an error, its crash, or its walsender's error:
+        the subscription is then disabled, so that it does not go on failing), or None while it
+        goes on."""
         crashes = [c for c in self.logs[self.target.name].crashes() if is_subscriber_crash(c)]
-        if crashes:
+        undecodable = self.logs[self.source.name].walsender_error(slot)
+        if undecodable is not None:
+            outcome.undecodable = undecodable
+            reason = f"the source could not decode its slot's WAL: {undecodable}"
+        elif crashes:
             what = crashes[0].splitlines()[-1].partition("LOG:")[2].strip()
             reason = f"its apply worker crashed: {what}\n{crashes[0]}"
         elif query("SELECT apply_error_count FROM pg_stat_subscription_stats "
@@ -280,15 +299,8 @@ class Oracle:
             reason = self.logs[self.target.name].apply_error() or "its apply worker failed"
         else:
             return None
-        deadline = time.monotonic() + RECOVERY_SECONDS
-        while True:  # the apply worker may be changing the subscription, or crashing again
-            try:
-                query("ALTER SUBSCRIPTION oracle DISABLE")
-                return reason
-            except psycopg.Error:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        _disable_native(query)
+        return reason
 
     # -- comparing -------------------------------------------------------------------------------
     def _compare(self, schema: Schema, source_db: str, names: dict[str, str],
@@ -302,8 +314,8 @@ class Oracle:
             if not outcome.native_refused:
                 outcome.native_vs_source = difference(truth, native, "the source", "target A")
             for name in names:
-                if name == "native":
-                    continue
+                if name == "native" or name in outcome.undecodable_routes:
+                    continue  # no consumer gets past WAL the source cannot decode
                 if name in failures:
                     outcome.differences[name] = failures[name]
                     continue
@@ -324,11 +336,34 @@ class Oracle:
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
-        connect(self.target.dsn()).close()  # a crashed server has recovered
+        # PostgreSQL's apply worker may be crashing in a loop, each crash restarting the server:
+        # its subscription is disabled first (that outlasts the crashes), then each drop is
+        # tried again until the server has recovered.
+        with sessions(self.target, {"native": names["native"]}) as native:
+            _disable_native(lambda q: native.query("native", q))
         for database in names.values():
-            self.target.drop_database(database)
-        self.source.drop_database(source_db)
+            _until_recovered(partial(self.target.drop_database, database))
+        _until_recovered(partial(self.source.drop_database, source_db))
         drop_origins(self.target, list(names.values()))
+
+
+def _until_recovered(action: Callable[[], object]) -> None:
+    """``action``, tried again while a server restarts (a crash loop restarts it several times)."""
+    deadline = time.monotonic() + RECOVERY_SECONDS
+    while True:
+        try:
+            action()
+            return
+        except (psycopg.Error, ClusterError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+def _disable_native(query: Callable[[str], list[tuple]]) -> None:
+    """Disable the native subscription, so that its apply worker stops (or stops crashing):
+    tried again while the worker is changing the subscription, or the server restarts."""
+    _until_recovered(lambda: query("ALTER SUBSCRIPTION oracle DISABLE"))
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -123,6 +123,17 @@ class ServerLog:
         return None
 
 
+    def walsender_error(self, slot: str) -> str | None:
+        """The error a walsender streaming ``slot`` ended with since the mark: PostgreSQL's
+        decoder refusing the slot's WAL, which no consumer of it gets past."""
+        lines = self.lines()
+        statement = f'START_REPLICATION SLOT "{slot}"'
+        for error, context in zip(lines, lines[1:]):
+            if "ERROR:" in error and statement in context:
+                return error.partition("ERROR:")[2].strip()
+        return None
+
+
 def is_subscriber_crash(crash: str) -> bool:
     """A crash of PostgreSQL's apply worker (or one of its parallel apply workers)."""
     return 'background worker "logical replication' in crash.splitlines()[-1]

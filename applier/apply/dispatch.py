@@ -47,6 +47,7 @@ from .lane import Lane, lane_for
 from .lane_seat import LaneSeat
 from .mapping import MappingError, RelationMapping
 from .mappings import TableMappings
+from .plan import Facts, Need, Route, plan
 from .relations import RelationCache
 from .schema import ColumnSource
 from .skipping import Skipper
@@ -186,7 +187,8 @@ class Applier:
         self._fast = False
         if self.sync_filter is not None:
             self.sync_filter.begin(txn.commit_lsn)
-        if txn.commit_lsn <= tx.applied.commit_lsn:
+        route = plan(self.facts(txn.commit_lsn, prepared=txn.gid is not None))
+        if route is Route.ALREADY_APPLIED:
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
                      txn.xid, txn.commit_lsn, tx.applied.commit_lsn)
             self._divert = _ALREADY_APPLIED
@@ -194,25 +196,40 @@ class Applier:
         if txn.commit_lsn >= self.hold_before:
             self.hold(txn.commit_lsn)
         skips = self.handlers.skips
-        if skips.lsn is not None:
-            if skips.matches(txn.commit_lsn):
-                self.flush()  # commit order: the batch goes first
-                self._divert = Skipper(tx, self.relations, skips)
-                return
-            if skips.passed_by(txn.commit_lsn):
-                skips.drop_stale(txn.commit_lsn)
-        if txn.gid is not None:
+        if route is Route.SKIPPED:
+            self.flush()  # commit order: the batch goes first
+            self._divert = Skipper(tx, self.relations, skips)
+            return
+        if skips.passed_by(txn.commit_lsn):
+            skips.drop_stale(txn.commit_lsn)
+        if route is Route.PREPARED:
             self.flush()
             self._divert = self._two_phase("begin_prepare").begin(self, txn)
             return
-        fast = self.fast
-        self._fast = fast is not None and txn.commit_lsn > self.careful_until
+        self._fast = route in (Route.LANE, Route.FAST)
         if self._fast:
-            assert fast is not None
-            fast.begin()
+            assert self.fast is not None
+            self.fast.begin()
             return
         self.flush()  # commit order: whatever the fast path holds goes first
         tx.begin()
+
+    def facts(self, commit_lsn: LSN | None, *, prepared: bool = False,
+              streamed: bool = False, early: bool = False) -> Facts:
+        """What ``plan.plan`` decides a transaction's route from, as this stage stands now."""
+        skips = self.handlers.skips
+        needs = set()
+        if self.sync_filter is not None and self.sync_filter.active:
+            needs.add(Need.COPY_BESIDE)
+        if self.hold_pending:
+            needs.add(Need.HOLD)
+        if skips.lsn is not None:
+            needs.add(Need.SKIP_PENDING)
+        return Facts(commit_lsn, self.tx.applied.commit_lsn, self.careful_until, frozenset(needs),
+                     prepared=prepared,
+                     skip_matches=commit_lsn is not None and skips.matches(commit_lsn),
+                     streamed=streamed, fast=self.fast is not None, lane=self.lane is not None,
+                     early=early)
 
     def origin(self, msg: Origin) -> None:
         tx = self.tx

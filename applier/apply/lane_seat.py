@@ -3,8 +3,8 @@
 Owns the lane's questions to the apply stage: may it take payloads now, and how far
 (``lane_room``); may a table's changes of one kind go into a run of the batch (``lane_run``);
 and handing its counts, parts and commits to the fast path. Must never decide which path a
-source transaction takes: ``dispatch.Applier`` does, and the lane only takes what that decision
-allows (read through ``SeatOwner``).
+source transaction takes: ``plan.plan`` does, from the facts ``dispatch.Applier`` gives it
+(read through ``SeatOwner``), and the lane only takes what that decision allows.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from ..assembler import TransactionEnd
 from ..protocol.lsn import LSN
 from .batch import KeyRun, Run
 from .fastpath import FastPath, LaneRoom
-from .handlers import Handlers
 from .lane import LaneStamp, RunMaker
 from .mapping import MappingError, RelationMapping
+from .plan import Facts, Need, Route, carries, plan
 from .relations import RelationCache
-from .sync_filter import SyncFilter
 from .transaction import TargetTransaction
 
 __all__ = ["LaneSeat", "SeatOwner"]
@@ -35,13 +34,9 @@ class SeatOwner(Protocol):
 
     tx: TargetTransaction
     relations: RelationCache
-    handlers: Handlers
-    sync_filter: SyncFilter | None
-    careful_until: LSN
 
-    @property
-    def hold_pending(self) -> bool:
-        """A hold is asked for: each transaction is decided on the ordinary path."""
+    def facts(self, commit_lsn: LSN | None) -> Facts:
+        """What the plan decides a transaction's route from, as the stage stands now."""
 
     @property
     def on_fast_path(self) -> bool:
@@ -64,21 +59,24 @@ class LaneSeat:
         return self.fast.batch.runs
 
     def lane_room(self, whole: bool) -> LaneRoom | None:
+        """Room for ``whole`` transactions when the plan of one not begun yet is the lane; or,
+        inside a fast-path transaction, for its changes when the lane carries what it needs.
+        The lane is told the plan's floor: a transaction committing at or before it is handed
+        back (its commit LSN is in its Begin, which the lane reads)."""
         owner = self.owner
-        if (owner.sync_filter is not None and owner.sync_filter.active) or owner.hold_pending:
-            return None
         tx = owner.tx
+        facts = owner.facts(None)
         if whole:
-            if tx.current is not None or owner.handlers.skips.lsn is not None:
+            if tx.current is not None or plan(facts) is not Route.LANE:
                 return None
-        elif not owner.on_fast_path or tx.current is None:
+        elif not owner.on_fast_path or tx.current is None or not carries(Route.LANE, facts.needs):
             return None
-        return self.fast.room(whole, LSN(max(tx.applied.commit_lsn, owner.careful_until)))
+        return self.fast.room(whole, facts.floor)
 
     def lane_run(self, relation_id: int, kind: str, make_run: RunMaker) -> bool:
-        """A run for a table independent of others (and for updates and deletes, one with a key:
-        not REPLICA IDENTITY FULL or NOTHING). False: the ordinary path takes the change (and
-        reports what is wrong with the relation, if anything)."""
+        """A run for the table's changes of one kind, when the lane carries what they need (see
+        ``plan.Need``). False: the ordinary path takes the change (and reports what is wrong with
+        the relation, if anything)."""
         owner = self.owner
         if relation_id not in owner.relations:
             return False
@@ -86,9 +84,12 @@ class LaneSeat:
             mapping = owner.mapping(relation_id)
         except MappingError:
             return False
+        needs = set()
         if not mapping.table.independent:
-            return False
+            needs.add(Need.DEPENDENT_TABLE)
         if kind != "I" and (not mapping.key_positions or mapping.full_identity):
+            needs.add(Need.FULL_IDENTITY)
+        if not carries(Route.LANE, frozenset(needs)):
             return False
         self.fast.open_run(mapping, make_run(len(mapping.target_columns), mapping.key_positions,
                                                 mapping.feed is not None),

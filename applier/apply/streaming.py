@@ -45,6 +45,7 @@ from ..errors import ApplyError, Cause, Directive, TargetError, TextValuesNeeded
 from ..protocol import LSN, Delete, Insert, Origin, Relation, Truncate, Type, Update
 from ..quoting import ident
 from .dispatch import Applier
+from .plan import CARRIES, Route, plan
 from .target import TargetSession
 
 __all__ = ["StreamingApply", "LOCK_TIMEOUT"]
@@ -116,15 +117,15 @@ class StreamingApply:
     # -- EarlyApply ----------------------------------------------------------------------------
     def open(self, xid: int) -> bool:
         main = self.main
+        facts = main.facts(None, streamed=True, early=True)
+        route = plan(facts)
         reason = None
         if self._xid is not None:
             reason = f"streamed transaction {self._xid} is being applied as it streams"
         elif xid in self._refused:
             reason = "an earlier attempt to apply it as it streams had to give up"
-        elif main.sync_filter is not None and main.sync_filter.active:
-            reason = "an initial copy may still hold some of its changes"
-        elif main.handlers.skips.lsn is not None:
-            reason = "a skip request is pending"
+        elif route is not Route.EARLY:
+            reason = "; ".join(need.value for need in facts.needs - CARRIES[Route.EARLY])
         elif not self._start():
             reason = "no second target session"
         if reason is not None:
@@ -194,15 +195,17 @@ class StreamingApply:
         if self._xid is None:
             return False
         main = self.main
-        if end.commit_lsn <= main.tx.applied.commit_lsn:
+        route = plan(main.facts(end.commit_lsn, streamed=True, early=True))
+        if route is Route.ALREADY_APPLIED:
             # Sent again after a restart, though committed before it: discarded whole.
             log.info("skipping transaction %d at %s: already applied (recorded position %s)",
                      end.xid, end.commit_lsn, main.tx.applied.commit_lsn)
             self._learn_relations()
             self._give_up("it was applied already", quietly=True)
             return True
-        if end.commit_lsn <= main.careful_until or main.handlers.skips.lsn is not None:
-            self._give_up("its stretch is redone row by row, or skipped")
+        if route is not Route.EARLY:
+            self._give_up(f"its route at its commit is {route.name.lower().replace('_', ' ')}: "
+                          f"{route.value}")
             return False
         if end.commit_lsn >= main.hold_before:
             main.hold(end.commit_lsn)  # a verify's position: it commits once the worker may go on

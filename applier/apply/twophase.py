@@ -66,6 +66,7 @@ from ..protocol.messages import CommitPrepared, Message, Relation, RollbackPrepa
 from .ddl import DDL_INLINE, DDL_SEPARATELY
 from .divert import Divert
 from .origins import OriginTracker
+from .plan import already_applied
 from .relations import RelationCache
 from .skipping import SkipRequests
 from .transaction import TargetTransaction
@@ -169,7 +170,7 @@ class TwoPhase:
     # -- Commit Prepared / Rollback Prepared ----------------------------------------------------
     def commit_prepared(self, host: PreparedHost, msg: CommitPrepared) -> None:
         tx = self.tx
-        if msg.commit_lsn <= tx.applied.commit_lsn:
+        if already_applied(msg.commit_lsn, tx.applied.commit_lsn):
             log.info("commit prepared of xid %d at %s: already applied", msg.xid, msg.commit_lsn)
             return
         tx.start(TransactionStart(msg.xid, msg.commit_lsn, msg.commit_time, streamed=False,

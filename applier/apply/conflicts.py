@@ -81,6 +81,12 @@ class ConflictHandler:
     def policy(self, mapping: RelationMapping) -> str:
         return self.table_policies.get((mapping.table.schema, mapping.table.name), self.default_policy)
 
+    def forget(self, relation_id: int) -> None:
+        """A relation's description changed: its probes are built again on next use. (Guards
+        are keyed by the statement they wrap, which is built again itself.)"""
+        self._statements = {k: v for k, v in self._statements.items()
+                            if k[0] == "guard" or k[1] != relation_id}
+
     # -- detection hooks called by the careful path -----------------------------------------------
     def guard(self, statement: Statement) -> Statement:
         """The UPDATE restricted to rows last written by this worker (or of unknown origin)."""

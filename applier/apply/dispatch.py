@@ -88,6 +88,10 @@ class Applier:
         conflicts = handlers.conflicts
         self.fast = None if limits is None else FastPath(
             tx, limits, conflicts.written_by_us if conflicts.origin_id is not None else None)
+        # Every structure built per relation is dropped where the relation's description is.
+        for dependent in (self.careful, conflicts, self.fast, tx.feed):
+            if dependent is not None:
+                relations.on_forget(dependent.forget)
         #: Everything up to this source commit LSN goes through the careful path (the fast path
         #: met a conflict or an error there).
         self.careful_until = careful_until
@@ -162,10 +166,8 @@ class Applier:
         if self.on_relation is not None:
             self.on_relation(msg)
         try:
-            self.mappings.learn(msg)
-            self.careful.forget(msg.relation_id)
-            if self.fast is not None:
-                self.fast.relation_changed(msg.relation_id)  # queued rows used the old definition
+            self.send_part()  # rows queued under the old definition go first
+            self.mappings.learn(msg)  # drops everything built from it (RelationCache.on_forget)
             if self._divert is not None:
                 self._divert.relation(msg)
         except (TargetError, MappingError) as exc:

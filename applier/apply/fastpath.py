@@ -126,10 +126,9 @@ class FastPath:
                 or time.monotonic() - self._started >= self._seconds):
             self.commit()
 
-    def relation_changed(self, relation_id: int) -> None:
-        """A relation is described anew: rows queued under its old definition go first."""
-        if self.batch:
-            self.send_part()
+    def forget(self, relation_id: int) -> None:
+        """A relation's description changed (rows queued under the old one were sent first):
+        drop the statements and runs built from it."""
         self._prepared = {k: v for k, v in self._prepared.items() if k[0][1] != relation_id}
         self.batch.forget(relation_id)
 

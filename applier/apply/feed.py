@@ -106,7 +106,7 @@ class FeedWriter:
         self._pending_written: set[ChangeTable] = set()
         #: Changes of the open target transaction to undo if it rolls back.
         self._undo: list[Callable[[], None]] = []
-        self._wrapped: dict[tuple[bytes, str], Statement] = {}
+        self._wrapped: dict[tuple[int, bytes, str], Statement] = {}  # (relation id, name, op)
         tx.on_end.append(self._ended)
 
     def table_for(self, schema: str, name: str) -> ChangeTable | None:
@@ -153,10 +153,14 @@ class FeedWriter:
         return stamp, stamp.seq
 
     # -- the careful path ---------------------------------------------------------------------------
+    def forget(self, relation_id: int) -> None:
+        """A relation's description changed: its statements are built again on next use."""
+        self._wrapped = {k: v for k, v in self._wrapped.items() if k[0] != relation_id}
+
     def wrap(self, statement: Statement, mapping: RelationMapping, op: str) -> Statement:
         """``statement`` (an INSERT, UPDATE or DELETE of one row) recording a change row for the
         row it changes; its last four parameters are the change's meta (``META``)."""
-        key = (statement.name, op)
+        key = (mapping.relation.relation_id, statement.name, op)
         wrapped = self._wrapped.get(key)
         if wrapped is None:
             change_table = mapping.feed
@@ -176,7 +180,7 @@ class FeedWriter:
         self.tx.execute_row(statement, None, old, mapping, text_meta(meta))
 
     def moved_statement(self, mapping: RelationMapping, positions: tuple[int, ...]) -> Statement:
-        key = (b"moved:%d:" % mapping.relation.relation_id + repr(positions).encode(), "D")
+        key = (mapping.relation.relation_id, b"moved:" + repr(positions).encode(), "D")
         statement = self._wrapped.get(key)
         if statement is None:
             change_table = mapping.feed

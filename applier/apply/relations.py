@@ -42,6 +42,20 @@ class RelationCache:
         self._previous: dict[int, Relation] = {}
         self._tables: dict[int, TargetTable] = {}
         self._mappings: dict[int, RelationMapping] = {}
+        #: Everything else built from a relation's description or target table (statements, key
+        #: getters, prepared SQL), dropped with it: see ``on_forget``.
+        self._dependents: list[Callable[[int], None]] = []
+
+    def on_forget(self, drop: Callable[[int], None]) -> None:
+        """Call ``drop(relation_id)`` whenever the relation's description or target table
+        changes (a Relation message, a schema change, the rollback of one): each structure built
+        per relation registers here, so that none outlives what it was built from."""
+        self._dependents.append(drop)
+
+    def _dropped(self, relation_id: int) -> None:
+        self._mappings.pop(relation_id, None)
+        for drop in self._dependents:
+            drop(relation_id)
 
     def __contains__(self, relation_id: int) -> bool:
         return relation_id in self._relations
@@ -60,14 +74,14 @@ class RelationCache:
         if old is not None and old != msg:
             self._previous[msg.relation_id] = old
         self._relations[msg.relation_id] = msg
-        self._mappings.pop(msg.relation_id, None)
         if not keep_target:
             self._tables.pop(msg.relation_id, None)
+        self._dropped(msg.relation_id)
 
     def forget(self, relation_id: int) -> None:
         """Drop what was derived for the relation: it is read and built again on next use."""
         self._tables.pop(relation_id, None)
-        self._mappings.pop(relation_id, None)
+        self._dropped(relation_id)
 
     def forget_all(self, relation_ids: Iterable[int]) -> None:
         for relation_id in relation_ids:
@@ -108,7 +122,7 @@ class RelationCache:
     def set_target(self, relation_id: int, table: TargetTable) -> None:
         """The relation's target table as a schema change made it (not committed yet)."""
         self._tables[relation_id] = table
-        self._mappings.pop(relation_id, None)
+        self._dropped(relation_id)
 
     def mapping(self, relation_id: int) -> RelationMapping:
         """The relation's mapping onto its target table; ``MappingError`` when there is none."""

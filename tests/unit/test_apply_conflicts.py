@@ -3,15 +3,17 @@ target answers "no row changed" where a test wants a conflict."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
-from fake_target import relation, rig
+from fake_target import relation, rig, table
 from test_apply_dispatch import _row, insert, transaction
 
 from applier.apply.conflicts import ConflictHandler
 from applier.apply.handlers import default_handlers
 from applier.errors import ApplyError, Cause, Directive, decide
 from applier.protocol.lsn import LSN
-from applier.protocol.messages import Delete, Update
+from applier.protocol.messages import Delete, RelationColumn, Update
 
 
 def _policy(policy: str, **per_table: str):  # type: ignore[no-untyped-def]
@@ -84,3 +86,27 @@ def test_update_origin_differs_is_told_from_a_missing_row_by_a_probe() -> None:
     assert statements[-1].startswith('UPDATE "public"."t" SET') and "xmin" not in statements[-1]
     ((_, record),) = r.store.committed.conflicts
     assert (record.conflict_type, record.resolution) == ("update_origin_differs", "applied")
+
+
+def test_a_probe_is_built_again_when_the_relation_is_described_anew() -> None:
+    """Every per-relation structure hangs off the relation cache: a Relation message renaming the
+    key column drops the conflict handler's probe built for the old name, as it drops the
+    careful path's statements."""
+    def handlers(tx):  # type: ignore[no-untyped-def]
+        built = default_handlers(tx)
+        built.conflicts = ConflictHandler(tx, "apply", origin_id=7)
+        return built
+
+    tables = {"t": table("t")}
+    r = rig(handlers=handlers, tables=tables)
+    r.applier.relation(relation())
+    r.target.rows = lambda sql, values: 0 if "pg_xact_commit_timestamp_origin" in sql else 1
+    transaction(r, 700, 0x100, Update(None, 1, None, None, _row(b"1", b"w")))
+    renamed = relation()
+    renamed = replace(renamed, columns=(RelationColumn(1, "key", 23, -1), renamed.columns[1]))
+    tables["t"] = replace(table("t"), columns={"key": replace(table("t").columns["id"], name="key"),
+                                               "v": table("t").columns["v"]}, unique_key=("key",))
+    r.applier.relation(renamed)
+    transaction(r, 701, 0x200, Update(None, 1, None, None, _row(b"1", b"x")))
+    probe = r.target.transactions[-1][1]
+    assert probe.startswith('SELECT 1 FROM "public"."t" WHERE') and '"key"' in probe, probe

@@ -38,20 +38,19 @@ from ..protocol.messages import (
     Type,
     Update,
 )
-from .careful import CarefulPath, update_key
+from .careful import CarefulPath
 from .divert import Discard, Divert
 from .fastpath import BatchLimits, FastPath
-from .feed import moved_key
 from .handlers import Handlers
 from .lane import Lane, lane_for
 from .lane_seat import LaneSeat
-from .mapping import MappingError, RelationMapping
+from .mapping import MappingError
 from .mappings import TableMappings
 from .plan import Facts, Need, Route, plan
 from .relations import RelationCache
+from .row_changes import RowChanges
 from .schema import ColumnSource
 from .skipping import Skipper
-from .statements import truncate_sql
 from .sync_filter import SyncFilter
 from .transaction import TargetTransaction
 from .twophase import TwoPhase
@@ -102,15 +101,26 @@ class Applier:
         self.hold_before = NO_HOLD
         self.on_hold: Callable[[LSN], None] | None = None
         self.on_copy_wait: Callable[[], None] | None = None
-        self._fast = False               # the current source transaction is on the fast path
+        #: Each row change of the open transaction, to the fast or the careful path.
+        self.rows = RowChanges(tx, self.mapping, self.careful, self.fast)
         self._divert: Divert | None = None
         self._apply: dict[type, Callable[[Change], None]] = {
-            Insert: self._insert, Update: self._update, Delete: self._delete,  # type: ignore[dict-item]
-            Truncate: self._truncate, Message: self._message,  # type: ignore[dict-item]
+            Insert: self.rows.insert, Update: self.rows.update,  # type: ignore[dict-item]
+            Delete: self.rows.delete, Truncate: self.rows.truncate,  # type: ignore[dict-item]
+            Message: self._message,  # type: ignore[dict-item]
         }
         #: Plain transactions of row changes, and the row changes of any fast-path transaction,
         #: taken straight from their payloads (None without the C accelerator or the fast path).
         self.lane: Lane | None = None if self.fast is None else lane_for(LaneSeat(self, self.fast))
+
+    @property
+    def _fast(self) -> bool:
+        """The open source transaction is on the fast path."""
+        return self.rows.on_fast
+
+    @_fast.setter
+    def _fast(self, on_fast: bool) -> None:
+        self.rows.on_fast = on_fast
 
     # -- what the worker reads ----------------------------------------------------------------------
     @property
@@ -267,30 +277,8 @@ class Applier:
             self.handlers.origins.record(origin.name, origin.origin_lsn, txn.commit_lsn,
                                          txn.commit_time)
         tx.pending["transactions"] += 1
-        feed = tx.feed
-        if feed is not None:
-            # Change rows held back while it streamed are written with its commit LSN; those
-            # written before the commit was known move to it.
-            if self._fast and feed.holds_back():
-                assert self.fast is not None
-                self.fast.send_part()  # the batch's last change rows join the held ones
-            for held in feed.spooled(txn.commit_lsn, txn.commit_time):
-                assert self.fast is not None  # only the fast path holds change rows back
-                self.fast.send_copy(held.copy_sql, held.data, held.rows)
-            for fix in feed.fix_pending(txn.commit_lsn, txn.commit_time):
-                if self._fast:
-                    assert self.fast is not None
-                    self.fast.statement(fix)
-                else:
-                    tx.sql(fix)
-            if self._fast:
-                assert self.fast is not None
-                if feed.wrote_rows():
-                    self.fast.batch.add_commit(feed.slot, txn.commit_lsn, txn.end_lsn)
-            else:
-                statement = feed.commit_sql(txn.commit_lsn, txn.end_lsn)
-                if statement is not None:
-                    tx.sql(statement)
+        if tx.feed is not None:
+            tx.feed.commit(txn, self.fast if self._fast else None)
         tx.start(None)
         if self._fast:
             assert self.fast is not None
@@ -379,71 +367,6 @@ class Applier:
         """A replayed streamed transaction's row changes go through the lane where it takes them."""
         lane = self.lane
         return start if lane is None else lane.take(payloads, start, streamed=True)
-
-    def _insert(self, msg: Insert) -> None:
-        mapping = self.mapping(msg.relation_id)
-        self.tx.pending["insert"] += 1
-        meta = None if mapping.feed is None else self.tx.feed.meta(mapping.feed)  # type: ignore[union-attr]
-        if self._fast:
-            self.fast.insert(mapping, msg.new_tuple, meta)  # type: ignore[union-attr]
-        else:
-            self.careful.insert(mapping, msg, meta)
-
-    def _update(self, msg: Update) -> None:
-        mapping = self.mapping(msg.relation_id)
-        key_source, key_positions = update_key(mapping, msg)
-        if not key_positions:
-            raise self.tx.error(f"update on {mapping.table.sql_name} carries no replica identity; "
-                                "give the source table a primary key or REPLICA IDENTITY",
-                                cause=Cause.NEEDS_OPERATOR)
-        self.tx.pending["update"] += 1
-        if mapping.feed is not None:
-            self._update_recorded(mapping, msg, key_source, key_positions)
-        elif self._fast:
-            self.fast.update(mapping, msg.new_tuple, msg.old_tuple)  # type: ignore[union-attr]
-        else:
-            self.careful.update(mapping, msg, key_source, key_positions)
-
-    def _update_recorded(self, mapping: RelationMapping, msg: Update, key_source: int,
-                         key_positions: tuple[int, ...]) -> None:
-        """An update of a table the change feed records (an update that moves its row to
-        another key is also recorded as the delete of the old key, just before it)."""
-        feed, change_table = self.tx.feed, mapping.feed
-        assert feed is not None and change_table is not None
-        moved = moved_key(mapping, msg.new_tuple, msg.old_tuple)
-        moved_meta = feed.meta(change_table) if moved is not None else None
-        meta = feed.meta(change_table)
-        if self._fast:
-            assert self.fast is not None
-            self.fast.update(mapping, msg.new_tuple, msg.old_tuple, meta,
-                             None if moved is None or moved_meta is None else (moved, moved_meta))
-        else:
-            self.careful.update(mapping, msg, key_source, key_positions, meta, moved, moved_meta)
-
-    def _delete(self, msg: Delete) -> None:
-        mapping = self.mapping(msg.relation_id)
-        self.tx.pending["delete"] += 1
-        meta = None if mapping.feed is None else self.tx.feed.meta(mapping.feed)  # type: ignore[union-attr]
-        if self._fast:
-            self.fast.delete(mapping, msg.old_tuple, meta)  # type: ignore[union-attr]
-        else:
-            self.careful.delete(mapping, msg, meta)
-
-    def _truncate(self, msg: Truncate) -> None:
-        mappings = [self.mapping(relation_id) for relation_id in msg.relation_ids]
-        tables = [(mapping.table.schema, mapping.table.name) for mapping in mappings]
-        if not tables:
-            return
-        feed = self.tx.feed
-        markers = feed.truncated(mappings) if feed is not None else []
-        if self._fast:
-            assert self.fast is not None
-            self.fast.statement(truncate_sql(tables, msg.restart_identity))
-            for marker in markers:
-                self.fast.statement(marker)
-        else:
-            self.careful.truncate(msg, tables, markers)
-        self.tx.pending["truncate"] += 1
 
     def _message(self, msg: Message) -> None:
         """A transactional logical message, inside its transaction's target transaction."""

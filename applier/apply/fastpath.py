@@ -118,6 +118,10 @@ class FastPath:
         """A statement that runs in order with the rows around it (TRUNCATE, SAVEPOINT)."""
         self.batch.statement(sql)
 
+    def add_commit(self, slot: str, commit_lsn: LSN, end_lsn: LSN) -> None:
+        """A source transaction of the batch wrote change rows: its applier.change_commits row."""
+        self.batch.add_commit(slot, commit_lsn, end_lsn)
+
     def ended(self, txn: TransactionEnd) -> None:
         """A source transaction of the batch committed: commit the batch if a limit is reached."""
         self.last = txn

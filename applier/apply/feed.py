@@ -36,7 +36,7 @@ from typing import Protocol
 
 from psycopg import pq, sql
 
-from ..assembler import TransactionStart
+from ..assembler import TransactionEnd, TransactionStart
 from ..progress import feed as layout
 from ..progress.feed import PENDING, ChangeTable, Partition
 from ..progress.records import TableName
@@ -88,6 +88,18 @@ class FeedSession(Protocol):
     def rollback(self) -> None: ...
 
     def commit_alone(self) -> None: ...
+
+
+class FeedBatch(Protocol):
+    """What the writer needs of the fast path's batch at a commit (``FastPath``)."""
+
+    def send_part(self) -> None: ...
+
+    def send_copy(self, sql: str, data: bytes, rows: int) -> None: ...
+
+    def statement(self, sql: str) -> None: ...
+
+    def add_commit(self, slot: str, commit_lsn: LSN, end_lsn: LSN) -> None: ...
 
 
 class FeedWriter:
@@ -236,6 +248,29 @@ class FeedWriter:
         """The row of applier.change_commits of the transaction being applied, committing at
         ``commit_lsn``, if it wrote change rows (``wrote``: before, prepared on the target)."""
         return layout.commit_sql(self.slot, commit_lsn, end_lsn) if wrote or self.wrote_rows() else None
+
+    def commit(self, txn: TransactionEnd, batch: FeedBatch | None) -> None:
+        """The transaction being applied commits (in ``batch``, the fast path's, else in its own
+        target transaction): change rows held back while it streamed are written with its commit
+        LSN, those written before the commit was known move to it, and its row of
+        applier.change_commits goes with it if it wrote change rows."""
+        if batch is not None and self.holds_back():
+            batch.send_part()  # the batch's last change rows join the held ones
+        for held in self.spooled(txn.commit_lsn, txn.commit_time):
+            assert batch is not None  # only the fast path holds change rows back
+            batch.send_copy(held.copy_sql, held.data, held.rows)
+        for fix in self.fix_pending(txn.commit_lsn, txn.commit_time):
+            if batch is not None:
+                batch.statement(fix)
+            else:
+                self.tx.sql(fix)
+        if batch is not None:
+            if self.wrote_rows():
+                batch.add_commit(self.slot, txn.commit_lsn, txn.end_lsn)
+        else:
+            statement = self.commit_sql(txn.commit_lsn, txn.end_lsn)
+            if statement is not None:
+                self.tx.sql(statement)
 
     def fix_pending(self, commit_lsn: LSN, commit_time: datetime) -> list[str]:
         """The statements that move the rows the transaction being applied wrote with a PENDING

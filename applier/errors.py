@@ -28,7 +28,8 @@ import psycopg
 from .protocol.lsn import LSN
 
 __all__ = ["ApplierError", "ApplyError", "Cause", "Directive", "SourceError", "TargetError",
-           "TextValuesNeeded", "cause_of", "cause_of_sqlstate", "decide", "is_lost_connection",
+           "TextValuesNeeded", "cause_of", "cause_of_sqlstate", "decide", "decide_in_batch",
+           "is_lost_connection",
            "sqlstate_of"]
 
 
@@ -203,6 +204,16 @@ def decide(exc: BaseException, *, side: str = "target") -> Directive:
     """What the worker does about ``exc``. Anything not recognised stops it (with a traceback)."""
     cause = cause_of(exc, side=side)
     return Directive.STOP if cause is None else _DIRECTIVES[cause]
+
+
+def decide_in_batch(exc: BaseException) -> Directive:
+    """What a failure met while the fast path holds source transactions in one target
+    transaction means. A passing one (a lost connection, a lock wait) is what it is. Anything
+    else (a row count other than expected: a conflict; a value or constraint the target refuses;
+    a stop) is redone row by row up to the failing transaction: those before it are committed
+    first, and it meets the careful path's conflict handling, or stops there on its own."""
+    directive = decide(exc)
+    return directive if directive in (Directive.RETRY, Directive.RESTART_NOW) else Directive.REDO_CAREFUL
 
 
 def is_lost_connection(exc: BaseException, *, side: str = "target") -> bool:

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from ..assembler import Change, TransactionEnd, TransactionStart
-from ..errors import ApplyError, Cause, Directive, TargetError, decide
+from ..errors import ApplyError, Cause, Directive, TargetError, decide_in_batch
 from ..progress.records import Position
 from ..protocol.lsn import LSN
 from ..protocol.messages import (
@@ -394,7 +394,8 @@ class Applier:
         transactions: redo the batch row by row up to the failing one instead, so that those are
         committed before the worker stops on it."""
         fast = self.fast
-        if decide(exc) is not Directive.STOP or fast is None or not fast.open or fast.last is None:
+        if (fast is None or not fast.open or fast.last is None or exc.careful_until is not None
+                or decide_in_batch(exc) is not Directive.REDO_CAREFUL):
             return exc
         current = self.tx.current
         until = LSN(max(fast.last.commit_lsn, current.commit_lsn if current else 0))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..assembler import TransactionEnd
-from ..errors import ApplyError, Cause, Directive, TargetError, decide
+from ..errors import ApplyError, Cause, Directive, TargetError, decide_in_batch
 from ..progress.records import Position
 from ..protocol.lsn import LSN
 from ..protocol.messages import TupleData
@@ -240,7 +240,7 @@ class FastPath:
         """Roll back and ask for the stretch to be redone carefully, row by row; a lost
         connection (or a lock wait that timed out) instead ends the session."""
         tx = self.tx
-        retry = isinstance(exc, PipelineError) and decide(exc) is Directive.RETRY
+        retry = decide_in_batch(exc) is not Directive.REDO_CAREFUL
         # Statements the failed pipeline was to prepare after the failure never were: every shape
         # is prepared again, under new names.
         self._prepared.clear()
@@ -248,7 +248,8 @@ class FastPath:
             tx.rollback()
         except TargetError as lost:  # the connection is gone: whatever happened is rolled back
             return ApplyError(f"{exc} ({lost})", cause=Cause.LOST_CONNECTION)
-        if isinstance(exc, PipelineError) and retry:
+        if retry:
+            assert isinstance(exc, PipelineError)  # a row count that differs is redone
             return ApplyError(str(exc), cause=exc.cause, sqlstate=exc.sqlstate)
         current = tx.current
         until = LSN(max(last.commit_lsn if last else 0, current.commit_lsn if current else 0))

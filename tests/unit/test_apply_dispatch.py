@@ -209,3 +209,19 @@ def test_fake_target_counts_transactions() -> None:
     target.sql("COMMIT")
     target.sql("SELECT 2")
     assert target.transactions == [["SELECT 1"]]
+
+
+def test_the_one_policy_for_a_failure_inside_a_batch() -> None:
+    """errors.decide_in_batch: passing failures stay themselves; a conflict, refused data or a
+    stop are redone row by row (the fast path and the dispatch both ask it)."""
+    from fake_target import lost_connection
+
+    from applier.apply.pipeline import RowCountMismatch
+    from applier.errors import decide_in_batch
+
+    assert decide_in_batch(lost_connection()) is Directive.RETRY
+    assert decide_in_batch(ApplyError("busy", cause=Cause.BUSY)) is Directive.RETRY
+    assert decide_in_batch(ApplyError("again", cause=Cause.SEND_AGAIN)) is Directive.RESTART_NOW
+    assert decide_in_batch(RowCountMismatch("0 rows, 1 expected")) is Directive.REDO_CAREFUL
+    for cause in (Cause.REFUSED_DATA, Cause.NEEDS_OPERATOR, Cause.FAST_PATH_MISMATCH):
+        assert decide_in_batch(ApplyError("x", cause=cause)) is Directive.REDO_CAREFUL

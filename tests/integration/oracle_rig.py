@@ -162,11 +162,17 @@ class Oracle:
             clock.lap("compare")
             if not outcome.differences:
                 shutil.rmtree(logs, ignore_errors=True)
-            return outcome
-        finally:
-            self._drop(source_db, names, workers)
-            clock.lap("drop")
-            self._check_servers(outcome)
+        except BaseException as failure:
+            # Cleaning up after a failure must not hide it behind a failure of its own.
+            try:
+                self._drop(source_db, names, workers)
+            except Exception as cleanup:
+                failure.add_note(f"cleaning up afterwards failed too: {cleanup!r}")
+            raise
+        self._drop(source_db, names, workers)
+        clock.lap("drop")
+        self._check_servers(outcome)
+        return outcome
 
     def _check_servers(self, outcome: Outcome) -> None:
         """A server process that crashed is a finding of its own, whoever caused it: PostgreSQL's
@@ -365,8 +371,14 @@ def _until_recovered(action: Callable[[], object]) -> None:
 
 def _disable_native(query: Callable[[str], list[tuple]]) -> None:
     """Disable the native subscription, so that its apply worker stops (or stops crashing):
-    tried again while the worker is changing the subscription, or the server restarts."""
-    _until_recovered(lambda: query("ALTER SUBSCRIPTION oracle DISABLE"))
+    tried again while the worker is changing the subscription, or the server restarts. There is
+    none when the example failed before creating it."""
+    def disable() -> None:
+        try:
+            query("ALTER SUBSCRIPTION oracle DISABLE")
+        except psycopg.errors.UndefinedObject:
+            pass
+    _until_recovered(disable)
 
 
 def _tail(path: Path, lines: int = 15) -> str:

@@ -170,9 +170,9 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, BaseExceptionGroup):
         return str(exc) + "".join(f"\n--- {i}: {_describe(sub)}"
                                   for i, sub in enumerate(exc.exceptions, 1))
-    text = str(exc)
+    text = str(exc) + "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
     if text:
-        return text
+        return f"{type(exc).__name__}: {text}"
     # An exception without words (a bare assert, a timeout): its type and where it was raised.
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     return type(exc).__name__ + "".join(f" at {frame.filename}:{frame.lineno} ({frame.line})"

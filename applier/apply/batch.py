@@ -64,7 +64,7 @@ from .batch_sql import (
     present_columns,
 )
 from .copy import copy_binary, copy_text
-from .feed_meta import Meta
+from .feed.meta import Meta
 from .mapping import RelationMapping
 from .statements import NEW, OLD
 

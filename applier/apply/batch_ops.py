@@ -2,7 +2,7 @@
 run protocols of the lane, the change feed's rows buffered per table (``FeedRows``), the sizes of
 multi-row statements, and the helpers that read a row's values and formats.
 
-Owns only these shapes and sizes. Must never build SQL (``batch_sql``, ``feed_sql``) or record
+Owns only these shapes and sizes. Must never build SQL (``batch_sql``, ``feed.rows``) or record
 anything (``batch``).
 """
 
@@ -14,7 +14,7 @@ from typing import Protocol
 
 from ..progress.feed import ChangeTable
 from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
-from .feed_meta import Meta
+from .feed.meta import Meta
 from .mapping import RelationMapping
 
 __all__ = ["BatchStatement", "COPY", "ChangeRowsCopy", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",
@@ -75,7 +75,7 @@ class BatchStatement:
     formats: list[int]
     expected_rows: int | None
     copy_data: bytes | bytearray | None = None  # COPY ... FROM STDIN: its data (text or binary)
-    change_rows: ChangeRowsCopy | None = None   # a COPY of change rows (feed_spool may hold it)
+    change_rows: ChangeRowsCopy | None = None   # a COPY of change rows (feed.spool may hold it)
     savepoint: str | None = None   # the statement makes this savepoint (its name, quoted)
 
 

@@ -5,7 +5,7 @@ statements (``Emitter``): the changes of independent tables gathered per table, 
 as one COPY (text or binary) or multi-row INSERTs, runs of updates and deletes by key as
 ``UPDATE ... FROM (VALUES ...)`` and ``DELETE ... WHERE (key) IN (...)``, each statement with the
 exact number of rows it must affect; runs of a table the change feed records also write its
-change rows (``feed_sql``), a run of its updates never holding one key twice. Every identifier is
+change rows (``feed.rows``), a run of its updates never holding one key twice. Every identifier is
 composed with ``psycopg.sql``. Must never record, fold or send anything (``batch.Batch`` records,
 the pipeline sends).
 """
@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from psycopg import sql
 
 from ..protocol.messages import KIND_BINARY
-from . import feed_sql
 from .batch_ops import (
     COPY,
     COPY_MIN_ROWS,
@@ -41,6 +40,7 @@ from .batch_ops import (
     present_columns,
 )
 from .copy import copy_binary, copy_binary_data, copy_fields, copy_sql, copy_text
+from .feed import rows as feed_rows
 from .mapping import RelationMapping
 from .statements import (
     NEW,
@@ -155,37 +155,37 @@ class Emitter:
             assert first.mapping is not None
             if first.kind == DELETES and first.mapping.feed is not None and key_run.feed is not None:
                 # One statement deletes and records each old row whole, as the ordinary path's.
-                yield from feed_sql.run_deletes(first.mapping, key_run.feed, key_run.feed_rows,
+                yield from feed_rows.run_deletes(first.mapping, key_run.feed, key_run.feed_rows,
                                                 key_run.binary, self._sql)
                 return
             yield from self._by_key(first)
             yield from self._run_feed(first.mapping, key_run)
             return
         if first.kind == FEED_ROWS:
-            yield from feed_sql.feed_rows(first.run, self._sql,  # type: ignore[arg-type]
+            yield from feed_rows.feed_rows(first.run, self._sql,  # type: ignore[arg-type]
                                           self.change_rows_copy_min)
             return
         if first.kind == MOVED:
-            yield feed_sql.moved(first, self._sql)
+            yield feed_rows.moved(first, self._sql)
             return
         if first.kind == INSERT and len(run) >= COPY_MIN_ROWS:
             copy = self._copy(run)
             if copy is not None:
                 yield copy
                 return
-        per_row = self._params_per_row(first) + (feed_sql.META_PARAMS if first.meta is not None else 0)
+        per_row = self._params_per_row(first) + (feed_rows.META_PARAMS if first.meta is not None else 0)
         for position, size in chunks(len(run), per_row):
             chunk = run[position:position + size]
             if first.meta is None:
                 yield self._chunk(chunk)
             else:
-                yield feed_sql.recorded(chunk, self._sql, self._guard)
+                yield feed_rows.recorded(chunk, self._sql, self._guard)
 
     def _run_feed(self, mapping: RelationMapping, run: Run | KeyRun) -> list[BatchStatement]:
         """The change rows the lane kept in a recorded table's run."""
         if mapping.feed is None or run.feed is None or not run.feed_rows:
             return []
-        return feed_sql.run_rows(mapping, run.feed, run.feed_rows, run.binary, self._sql,
+        return feed_rows.run_rows(mapping, run.feed, run.feed_rows, run.binary, self._sql,
                                  self.change_rows_copy_min)
 
     def _by_key(self, op: Op) -> Iterator[BatchStatement]:

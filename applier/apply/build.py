@@ -23,8 +23,8 @@ from ..protocol.messages import Relation
 from .ddl import DDL_REFUSED
 from .dispatch import Applier
 from .fastpath import BatchLimits
-from .feed import FeedWriter
-from .feed_spool import FeedSpool
+from .feed.spool import FeedSpool
+from .feed.writer import FeedWriter
 from .handlers import build_handlers, tag_with_origin
 from .lane import core
 from .mapping import TargetTable
@@ -100,7 +100,7 @@ def second_applier(main: Applier, session: TargetSession,
     the Stream Commit commits (parts still go ahead), and ``lock_timeout`` (see ``streaming``).
     ``store``: the session's bookkeeping store (default: the PostgreSQL one on ``session``);
     ``spill_dir``: where the change feed holds the transaction's change rows until its commit
-    (``feed_spool``; the system's temporary directory if None)."""
+    (``feed.spool``; the system's temporary directory if None)."""
     assert main.fast is not None
     session.sql(f"SET lock_timeout = '{LOCK_TIMEOUT}'")
     tag = main.handlers.origins.tag

@@ -18,7 +18,7 @@ from psycopg import pq
 
 from ..protocol.messages import KIND_UNCHANGED, Delete, Insert, Truncate, TupleData, Update
 from .conflicts import ConflictHandler
-from .feed_meta import Meta, text_meta
+from .feed.meta import Meta, text_meta
 from .mapping import RelationMapping
 from .relations import RelationCache
 from .statements import (

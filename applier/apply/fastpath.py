@@ -25,7 +25,7 @@ from ..protocol.lsn import LSN
 from ..protocol.messages import TupleData
 from .batch import Batch, KeyRun, Run
 from .copy import sized_copy_sql
-from .feed_meta import Meta
+from .feed.meta import Meta
 from .mapping import RelationMapping
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
 from .transaction import TargetTransaction

@@ -15,7 +15,7 @@ from ..errors import Cause
 from ..protocol.messages import Delete, Insert, Truncate, Update
 from .careful import CarefulPath, update_key
 from .fastpath import FastPath
-from .feed import moved_key
+from .feed.writer import moved_key
 from .mapping import RelationMapping
 from .statements import truncate_sql
 from .transaction import TargetTransaction

@@ -26,7 +26,7 @@ from ..progress.store import ApplyStore, StoreStatement
 from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_BINARY, Origin, TupleData
 from .ddl import DDL_INLINE
-from .feed import FeedWriter
+from .feed.writer import FeedWriter
 from .mapping import RelationMapping
 from .pipeline import Pipeline
 from .statements import NEW, Statement
@@ -111,7 +111,7 @@ class TargetTransaction:
         values: list[bytes | None] = []
         formats: list[int] = []
         for source, position in statement.params:
-            if source > 1:  # feed_meta.META
+            if source > 1:  # feed.meta.META
                 values.append(meta[position])
                 formats.append(0)
                 continue

@@ -301,7 +301,7 @@ def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
     tx = TargetTransaction(target, store, AppliedPosition(LSN(0), LSN(0)),  # type: ignore[arg-type]
                            lambda end_lsn, target_lsn: commits.append(end_lsn))
     if feeds:
-        from applier.apply.feed import FeedWriter
+        from applier.apply.feed.writer import FeedWriter
 
         tx.feed = FeedWriter(tx, feeds, 3600.0, store.slot)
     applier = Applier(tx, RelationCache(reflect, feeds=feeds), (handlers or default_handlers)(tx),

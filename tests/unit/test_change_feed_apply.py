@@ -10,8 +10,8 @@ import pgoutput_builder as pg
 import pytest
 from fake_target import Rig, mapping, relation, rig, table
 
-from applier.apply.feed import moved_key
-from applier.apply.feed_meta import Stamp
+from applier.apply.feed.meta import Stamp
+from applier.apply.feed.writer import moved_key
 from applier.apply.lane import core
 from applier.assembler import Assembler, TransactionEnd, TransactionStart
 from applier.ingest.gate import IngestGate

@@ -6,7 +6,7 @@ count, so the fast path's checks still hold:
 
 * change rows written from the values the source sent (``FeedRows``: inserts, updates of every
   column, old keys of moved rows), each after its meta: one COPY per table and value format from
-  ``COPY_MIN_ROWS`` rows on (from one row on while ``feed_spool`` holds them back), else
+  ``COPY_MIN_ROWS`` rows on (from one row on while ``feed.spool`` holds them back), else
   multi-row INSERTs; likewise the change rows the lane kept in a
   run (``run_rows``: COPY data already, meta included);
 * updates and deletes recorded from the target's rows: one statement, ``WITH c AS (UPDATE t ...
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 
 from psycopg import sql
 
-from ..progress import feed as layout
-from ..progress.feed import META_TYPES
-from ..protocol.messages import KIND_BINARY
-from .batch_ops import (
+from ...progress import feed as layout
+from ...progress.feed import META_TYPES
+from ...protocol.messages import KIND_BINARY
+from ..batch_ops import (
     COPY_MIN_ROWS,
     FORMATS,
     UPDATE,
@@ -40,10 +40,10 @@ from .batch_ops import (
     chunks,
     collect,
 )
-from .copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
-from .feed_meta import binary_meta, text_meta
-from .mapping import RelationMapping
-from .statements import OLD, assignments, column, delete_in_sql, delete_sql, placeholder, table, update_sql
+from ..copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
+from ..mapping import RelationMapping
+from ..statements import OLD, assignments, column, delete_in_sql, delete_sql, placeholder, table, update_sql
+from .meta import binary_meta, text_meta
 
 __all__ = ["META_PARAMS", "feed_rows", "run_rows", "run_deletes", "rows_sql", "update_rows_sql",
            "delete_rows_sql", "single_sql", "recorded", "moved"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from ..progress.feed import PENDING
-from ..protocol.lsn import LSN, to_pg_timestamp
+from ...progress.feed import PENDING
+from ...protocol.lsn import LSN, to_pg_timestamp
 
 __all__ = ["META", "Meta", "Stamp", "binary_meta", "meta_prefix", "text_meta"]
 
@@ -53,7 +53,7 @@ def text_meta(meta: Meta) -> list[bytes | None]:
 
 
 def meta_prefix(stamp: Stamp, binary: bool) -> bytes:
-    """How each change row of ``stamp``'s transaction begins, as the lane and ``feed_sql`` write
+    """How each change row of ``stamp``'s transaction begins, as the lane and ``feed.rows`` write
     it: its commit LSN, time and xid as COPY text fields, or as binary fields (after the tuple's
     field count)."""
     if binary:

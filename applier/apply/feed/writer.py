@@ -4,7 +4,7 @@ the same target transaction (``--change-feed``).
 Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.feed``):
 
 * the *stamp* of the source transaction being applied (commit LSN, commit time and xid;
-  ``feed_meta`` encodes them) and the order of its changes (``change_seq``, counted as they are
+  ``feed.meta`` encodes them) and the order of its changes (``change_seq``, counted as they are
   dispatched). A transaction whose commit is not known yet (applied as it streams, or prepared
   on the target) is stamped ``PENDING``; its rows are moved to the commit LSN in the target
   transaction that records the commit (``fix_pending``, ``fix_prepared``);
@@ -19,11 +19,11 @@ Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.fee
   one); the delete row of an update that moved a row to another key; truncate markers;
 * whether the source transaction being applied wrote change rows, so that its commit and end LSN
   go to ``applier.change_commits`` (``wrote_rows``; ``commit_sql`` outside the fast path);
-* in the early session, the spool (``feed_spool``) that holds the COPYs of change rows of the
+* in the early session, the spool (``feed.spool``) that holds the COPYs of change rows of the
   transaction applied as it streams until its commit (``holds_back``, ``spooled``), so that they
   are written once, with the commit LSN, instead of as ``PENDING`` and then moved.
 
-The fast path builds its change rows itself (``feed_sql``). Must never decide what is applied
+The fast path builds its change rows itself (``feed.rows``). Must never decide what is applied
 or when a transaction begins or ends.
 """
 
@@ -36,17 +36,17 @@ from typing import Protocol
 
 from psycopg import pq, sql
 
-from ..assembler import TransactionEnd, TransactionStart
-from ..progress import feed as layout
-from ..progress.feed import PENDING, ChangeTable, Partition
-from ..progress.records import TableName
-from ..protocol.lsn import LSN, to_pg_timestamp
-from ..protocol.messages import KIND_UNCHANGED, TupleData
-from .ddl import after_ddl, before_ddl
-from .feed_meta import META, Meta, Stamp, text_meta
-from .feed_spool import FeedSpool, Spooled
-from .mapping import RelationMapping
-from .statements import Statement, named, placeholder
+from ...assembler import TransactionEnd, TransactionStart
+from ...progress import feed as layout
+from ...progress.feed import PENDING, ChangeTable, Partition
+from ...progress.records import TableName
+from ...protocol.lsn import LSN, to_pg_timestamp
+from ...protocol.messages import KIND_UNCHANGED, TupleData
+from ..ddl import after_ddl, before_ddl
+from ..mapping import RelationMapping
+from ..statements import Statement, named, placeholder
+from .meta import META, Meta, Stamp, text_meta
+from .spool import FeedSpool, Spooled
 
 __all__ = ["FeedWriter", "moved_key"]
 

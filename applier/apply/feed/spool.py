@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from ..errors import ApplyError, Cause
-from ..progress.feed import ChangeTable
-from .copy import copy_binary_data, copy_binary_tuples
-from .feed_meta import Stamp, meta_prefix
+from ...errors import ApplyError, Cause
+from ...progress.feed import ChangeTable
+from ..copy import copy_binary_data, copy_binary_tuples
+from .meta import Stamp, meta_prefix
 
 __all__ = ["FeedSpool", "Restamp", "Spooled"]
 
@@ -98,7 +98,7 @@ class FeedSpool:
 
     def restamped(self, pending: Stamp, commit: Stamp) -> Iterator[Spooled]:
         """The held COPYs, consecutive ones of one statement merged, each row's meta prefix
-        (``feed_meta.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one, those
+        (``meta.meta_prefix``) rewritten from the ``pending`` stamp to the ``commit`` one, those
         held while this runs too (sending one sends the batch's last rows first); then nothing
         is held any more."""
         while self._held:

@@ -56,7 +56,7 @@ def _timed(key: str, func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _install() -> None:
     """Wrap the worker's functions (the worker package has just been imported)."""
-    from applier.apply.fastpath import FastPath
+    from applier.apply.fast.path import FastPath
     from applier.apply.transaction import TargetTransaction
     from applier.ingest.gate import IngestGate
     from applier.source.stream import ReplicationStream

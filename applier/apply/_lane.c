@@ -1,5 +1,5 @@
 /*
- * C core of the apply stage's lane (applier/apply/lane.py drives it): plain transactions made of
+ * C core of the apply stage's lane (applier/apply/fast/lane.py drives it): plain transactions made of
  * Begin, Inserts, Updates, Deletes and Commit, taken straight from the received payloads into the
  * batch's open runs, with no message object built.
  *

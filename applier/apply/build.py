@@ -22,11 +22,11 @@ from ..protocol.lsn import LSN
 from ..protocol.messages import Relation
 from .ddl import DDL_REFUSED
 from .dispatch import Applier
-from .fastpath import BatchLimits
+from .fast.lane import core
+from .fast.path import BatchLimits
 from .feed.spool import FeedSpool
 from .feed.writer import FeedWriter
 from .handlers import build_handlers, tag_with_origin
-from .lane import core
 from .mapping import TargetTable
 from .relations import RelationCache
 from .schema import ColumnSource

@@ -3,7 +3,7 @@
 ``Applier`` implements ``assembler.TransactionSink``. Owns the one decision made for each source
 transaction at its begin (PostgreSQL's worker.c decides the same way): already applied (skipped
 whole), skipped on request, prepared (two-phase), or applied; and if applied, on the fast path
-(several source transactions share one target transaction, ``fastpath``) or the careful path
+(several source transactions share one target transaction, ``fast.path``) or the careful path
 (one statement per row, conflicts resolved, ``careful``). A transaction not simply applied has a
 *divert* (``divert.py``) that receives its changes instead; the hot path pays one ``is not
 None`` test for it. Changes are dispatched by message type. Every failure inside a transaction
@@ -40,10 +40,10 @@ from ..protocol.messages import (
 )
 from .careful import CarefulPath
 from .divert import Discard, Divert
-from .fastpath import BatchLimits, FastPath
+from .fast.lane import Lane, lane_for
+from .fast.path import BatchLimits, FastPath
+from .fast.seat import LaneSeat
 from .handlers import Handlers
-from .lane import Lane, lane_for
-from .lane_seat import LaneSeat
 from .mapping import MappingError
 from .mappings import TableMappings
 from .plan import Facts, Need, Route, plan

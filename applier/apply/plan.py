@@ -5,7 +5,7 @@ carry (``CARRIES``, the capability table: route x need), and ``plan``, which Pos
 worker.c calls ``TransApplyAction``: from what is known of the transaction and of the worker
 (``Facts``) it returns the route. Every place that routes a transaction asks it: the apply
 stage at a transaction's begin (``dispatch.Applier``), the C lane before it takes payloads
-(``lane_seat``), a streamed transaction at its first segment and at its commit
+(``fast.seat``), a streamed transaction at its first segment and at its commit
 (``streaming.StreamingApply``). A route that cannot carry what a transaction needs sends it to
 the next route that can: moving a need in or out of a route's row of ``CARRIES`` is all it
 takes to reroute. Must never run a statement, read the stream or hold state: it is unit-tested

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from ..errors import Cause
 from ..protocol.messages import Delete, Insert, Truncate, Update
 from .careful import CarefulPath, update_key
-from .fastpath import FastPath
+from .fast.path import FastPath
 from .feed.writer import moved_key
 from .mapping import RelationMapping
 from .statements import truncate_sql

@@ -23,7 +23,7 @@ from psycopg import pq
 from ..connections import connect
 from ..errors import Cause, TargetError, cause_of, cause_of_sqlstate
 from ..protocol.lsn import LSN
-from .pipeline import Pipeline, Preparable
+from .fast.pipeline import Pipeline, Preparable
 
 __all__ = ["Preparable", "TargetSession"]
 

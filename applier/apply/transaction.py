@@ -26,9 +26,9 @@ from ..progress.store import ApplyStore, StoreStatement
 from ..protocol.lsn import LSN
 from ..protocol.messages import KIND_BINARY, Origin, TupleData
 from .ddl import DDL_INLINE
+from .fast.pipeline import Pipeline
 from .feed.writer import FeedWriter
 from .mapping import RelationMapping
-from .pipeline import Pipeline
 from .statements import NEW, Statement
 from .target import Preparable, TargetSession
 

@@ -15,7 +15,7 @@ goes on through the decoder. Must never apply, buffer or decode anything itself.
 
 from __future__ import annotations
 
-from ..apply.lane import Lane
+from ..apply.fast.lane import Lane
 from ..assembler import Assembler
 from ..protocol import decode
 from ..protocol.messages import ROW_CHANGE_TYPES, MessageType

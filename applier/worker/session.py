@@ -25,7 +25,7 @@ import psycopg
 
 from ..apply.build import ApplyOptions, main_applier, second_applier
 from ..apply.dispatch import Applier
-from ..apply.fastpath import BatchLimits
+from ..apply.fast.path import BatchLimits
 from ..apply.mapping import Reflector
 from ..apply.source_catalog import SourceCatalog
 from ..apply.streaming import StreamingApply

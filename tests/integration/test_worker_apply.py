@@ -8,7 +8,7 @@ import pytest
 from replication import assert_same_rows, create_slot, replicated_table, run_worker
 
 from applier import __version__
-from applier.apply.lane import core as stream_lane
+from applier.apply.fast.lane import core as stream_lane
 from applier.implementation import summary
 
 pytestmark = pytest.mark.server
@@ -358,7 +358,7 @@ def test_a_large_transactions_inserts_go_in_large_copies_and_small_transactions_
     into COPYs of 10,000 rows (far cheaper for the target than COPYs of 2,000); between whole
     small transactions it keeps parts of at most 2,000 rows. Without the lane (no C compiler at
     install, or APPLIER_PURE_PYTHON=1) the ordinary path keeps every part at 2,000 rows."""
-    from applier.apply.fastpath import INSERT_PART_ROWS, PART_ROWS
+    from applier.apply.fast.path import INSERT_PART_ROWS, PART_ROWS
     for db in (source_db, target_db):
         db.execute("CREATE TABLE big (id int PRIMARY KEY, v text)")
         db.execute("CREATE TABLE small (id int PRIMARY KEY)")

@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from applier.apply.fast.pipeline import PipelineError, RowCountMismatch
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
-from applier.apply.pipeline import PipelineError, RowCountMismatch
 from applier.errors import Cause, TargetError
 from applier.progress.memory import MemoryStore
 from applier.protocol.lsn import LSN
@@ -281,7 +281,7 @@ def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
     ``handlers(tx)``: the handlers to use (default: ``default_handlers``); ``feeds``: the change
     tables of the tables the change feed records."""
     from applier.apply.dispatch import Applier
-    from applier.apply.fastpath import BatchLimits
+    from applier.apply.fast.path import BatchLimits
     from applier.apply.handlers import default_handlers
     from applier.apply.mapping import MissingTargetTable
     from applier.apply.relations import RelationCache

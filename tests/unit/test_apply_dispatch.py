@@ -216,7 +216,7 @@ def test_the_one_policy_for_a_failure_inside_a_batch() -> None:
     stop are redone row by row (the fast path and the dispatch both ask it)."""
     from fake_target import lost_connection
 
-    from applier.apply.pipeline import RowCountMismatch
+    from applier.apply.fast.pipeline import RowCountMismatch
     from applier.errors import decide_in_batch
 
     assert decide_in_batch(lost_connection()) is Directive.RETRY

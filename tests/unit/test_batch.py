@@ -3,9 +3,9 @@ and the exact row counts every statement must affect."""
 
 from __future__ import annotations
 
-from applier.apply.batch import Batch
-from applier.apply.batch_sql import COPY_MIN_ROWS
 from applier.apply.copy import copy_binary, copy_binary_data, copy_text_pure
+from applier.apply.fast.batch import Batch
+from applier.apply.fast.sql import COPY_MIN_ROWS
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.messages import UNCHANGED_TOAST, Relation, RelationColumn, TupleData
 

@@ -10,9 +10,9 @@ import pgoutput_builder as pg
 import pytest
 from fake_target import Rig, mapping, relation, rig, table
 
+from applier.apply.fast.lane import core
 from applier.apply.feed.meta import Stamp
 from applier.apply.feed.writer import moved_key
-from applier.apply.lane import core
 from applier.assembler import Assembler, TransactionEnd, TransactionStart
 from applier.ingest.gate import IngestGate
 from applier.progress import feed as layout

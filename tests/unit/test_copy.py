@@ -87,7 +87,7 @@ def test_pure_python_switch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_pure_python_switch_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """A list of names turns only those accelerators off: the lane alone, the decoder's kept."""
-    from applier.apply.lane import core
+    from applier.apply.fast.lane import core
     from applier.implementation import accelerator
 
     _speedups()  # built: the switch, not a missing module, decides below

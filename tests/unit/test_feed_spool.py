@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from applier.apply.copy import copy_binary, copy_binary_data, copy_text
+from applier.apply.fast.lane import core
 from applier.apply.feed.meta import Stamp, binary_meta, meta_prefix, text_meta
 from applier.apply.feed.spool import MERGE_BYTES, FeedSpool
-from applier.apply.lane import core
 from applier.errors import ApplyError
 from applier.progress.feed import PENDING, ChangeTable, Partition
 from applier.protocol.lsn import LSN

@@ -10,10 +10,10 @@ import random
 import pgoutput_builder as pg
 import pytest
 
-from applier.apply.batch import Batch
 from applier.apply.copy import copy_binary, copy_binary_rows, copy_text_pure
-from applier.apply.fastpath import LaneRoom
-from applier.apply.lane import core
+from applier.apply.fast.batch import Batch
+from applier.apply.fast.lane import core
+from applier.apply.fast.path import LaneRoom
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.decoder import decode_pure
 from applier.protocol.lsn import LSN
@@ -300,7 +300,7 @@ def test_a_delete_run_in_the_batch_becomes_multi_row_deletes_by_key() -> None:
 
 
 class _PartSink:
-    """The sink side of ``Lane.take`` (applier.apply.lane): rooms as ``Applier.lane_room``
+    """The sink side of ``Lane.take`` (applier.apply.fast.lane): rooms as ``Applier.lane_room``
     computes them (a part of ``part`` rows between whole transactions, of ``part * 5`` inside
     one), and the parts sent."""
 
@@ -342,7 +342,7 @@ def test_a_part_already_due_is_sent_before_the_lane_takes_a_whole_transaction() 
     a read, so it was handed back) has the larger room of one open transaction, and may fill the
     part between whole transactions without making it due: the next whole transaction must not
     add to that part."""
-    from applier.apply.lane import Lane
+    from applier.apply.fast.lane import Lane
     sink = _PartSink(inserts=3, part=4)
     lane = Lane(_lane, sink)  # type: ignore[arg-type]
     handed_back: list[bytes] = []
@@ -413,8 +413,8 @@ def test_change_rows_wait_for_their_partition_and_for_a_known_stamp() -> None:
 
 
 def test_a_recorded_tables_run_sends_its_change_rows_after_its_data() -> None:
-    from applier.apply.batch_ops import COPY, Op
-    from applier.apply.batch_sql import Emitter
+    from applier.apply.fast.ops import COPY, Op
+    from applier.apply.fast.sql import Emitter
     from applier.progress.feed import ChangeTable, Partition
 
     mapping = _mapping(7, "items", ("name", "text"))

@@ -11,7 +11,7 @@ from fake_target import relation, rig
 from test_apply_dispatch import insert, transaction
 
 from applier.apply.dispatch import NO_HOLD
-from applier.apply.lane_seat import LaneSeat
+from applier.apply.fast.seat import LaneSeat
 from applier.apply.sync_filter import SyncFilter
 from applier.assembler import TransactionStart
 from applier.protocol.lsn import LSN

@@ -16,7 +16,7 @@ count, so the fast path's checks still hold:
   VALUES row of its key for its meta); single-row statements (REPLICA IDENTITY FULL) wrapped the
   same way, the meta as parameters.
 
-Must never record, fold or send anything (``batch`` records, ``batch_sql`` turns runs into
+Must never record, fold or send anything (``batch`` records, ``fast.sql`` turns runs into
 statements and calls this, the pipeline sends).
 """
 
@@ -29,7 +29,8 @@ from psycopg import sql
 from ...progress import feed as layout
 from ...progress.feed import META_TYPES
 from ...protocol.messages import KIND_BINARY
-from ..batch_ops import (
+from ..copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
+from ..fast.ops import (
     COPY_MIN_ROWS,
     FORMATS,
     UPDATE,
@@ -40,7 +41,6 @@ from ..batch_ops import (
     chunks,
     collect,
 )
-from ..copy import copy_binary, copy_binary_data, copy_binary_rows, copy_fields, copy_text, copy_text_rows
 from ..mapping import RelationMapping
 from ..statements import OLD, assignments, column, delete_in_sql, delete_sql, placeholder, table, update_sql
 from .meta import binary_meta, text_meta
@@ -235,7 +235,7 @@ def single_sql(mapping: RelationMapping, data_sql: str, params: int, op: str) ->
         sql.SQL(data_sql), layout.returning(_meta(params + 1), columns)), columns, op)
 
 
-# -- runs of ops (batch_sql.Emitter) ----------------------------------------------------------------
+# -- runs of ops (fast.sql.Emitter) ----------------------------------------------------------------
 
 def recorded(chunk: list[Op], cache: dict[tuple, str],
              guard: Callable[[str], str] | None) -> BatchStatement:

@@ -31,8 +31,8 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   rolls the batch back and redoes that stretch on the careful, row-by-row path, which resolves,
   counts and logs each conflict.
 
-Must never send anything itself (the pipeline does) or decide batch boundaries (``fastpath``);
-the ops become SQL in ``batch_sql``.
+Must never send anything itself (the pipeline does) or decide batch boundaries (``fast.path``);
+the ops become SQL in ``fast.sql``.
 """
 
 from __future__ import annotations
@@ -40,10 +40,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from operator import itemgetter
 
-from ..progress.feed import ChangeTable, commits_copy_sql, commits_rows, lsn_element
-from ..protocol.lsn import LSN
-from ..protocol.messages import KIND_UNCHANGED, TupleData
-from .batch_sql import (
+from ...progress.feed import ChangeTable, commits_copy_sql, commits_rows, lsn_element
+from ...protocol.lsn import LSN
+from ...protocol.messages import KIND_UNCHANGED, TupleData
+from ..copy import copy_binary, copy_text
+from ..feed.meta import Meta
+from ..mapping import RelationMapping
+from ..statements import NEW, OLD
+from .sql import (
     COPY,
     COPY_MIN_ROWS,
     DELETE,
@@ -63,10 +67,6 @@ from .batch_sql import (
     in_format,
     present_columns,
 )
-from .copy import copy_binary, copy_text
-from .feed.meta import Meta
-from .mapping import RelationMapping
-from .statements import NEW, OLD
 
 __all__ = ["Batch", "BatchStatement", "KeyRun", "Run"]
 
@@ -312,7 +312,7 @@ class Batch:
         self.add_commits(slot, lsn_element(commit_lsn), lsn_element(end_lsn))
 
     def statements(self, change_rows_copy: bool = False) -> Iterator[BatchStatement]:
-        """The batch as statements (``batch_sql.Emitter.statements``), then the rows of
+        """The batch as statements (``fast.sql.Emitter.statements``), then the rows of
         applier.change_commits of the transactions that wrote change rows, if any.
         ``change_rows_copy``: change rows written from the values the source sent go as COPYs
         however few (the feed's spool holds them back: no round trip is saved by INSERTs)."""

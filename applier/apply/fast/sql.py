@@ -16,8 +16,24 @@ from collections.abc import Callable, Iterator
 
 from psycopg import sql
 
-from ..protocol.messages import KIND_BINARY
-from .batch_ops import (
+from ...protocol.messages import KIND_BINARY
+from ..copy import copy_binary, copy_binary_data, copy_fields, copy_sql, copy_text
+from ..feed import rows as feed_rows
+from ..mapping import RelationMapping
+from ..statements import (
+    NEW,
+    OLD,
+    assignments,
+    column,
+    delete_in_sql,
+    delete_sql,
+    on_conflict,
+    overriding,
+    table,
+    update_sql,
+    value_rows,
+)
+from .ops import (
     COPY,
     COPY_MIN_ROWS,
     DELETE,
@@ -38,22 +54,6 @@ from .batch_ops import (
     every_column,
     in_format,
     present_columns,
-)
-from .copy import copy_binary, copy_binary_data, copy_fields, copy_sql, copy_text
-from .feed import rows as feed_rows
-from .mapping import RelationMapping
-from .statements import (
-    NEW,
-    OLD,
-    assignments,
-    column,
-    delete_in_sql,
-    delete_sql,
-    on_conflict,
-    overriding,
-    table,
-    update_sql,
-    value_rows,
 )
 
 __all__ = ["BatchStatement", "COPY", "COPY_MIN_ROWS", "DELETE", "DELETES", "Emitter", "FEED_ROWS",

@@ -2,7 +2,7 @@
 run protocols of the lane, the change feed's rows buffered per table (``FeedRows``), the sizes of
 multi-row statements, and the helpers that read a row's values and formats.
 
-Owns only these shapes and sizes. Must never build SQL (``batch_sql``, ``feed.rows``) or record
+Owns only these shapes and sizes. Must never build SQL (``fast.sql``, ``feed.rows``) or record
 anything (``batch``).
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..progress.feed import ChangeTable
-from ..protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
-from .feed.meta import Meta
-from .mapping import RelationMapping
+from ...progress.feed import ChangeTable
+from ...protocol.messages import KIND_BINARY, KIND_TEXT, KIND_UNCHANGED, TupleData
+from ..feed.meta import Meta
+from ..mapping import RelationMapping
 
 __all__ = ["BatchStatement", "COPY", "ChangeRowsCopy", "COPY_MIN_ROWS", "DELETE", "DELETES", "FEED_ROWS", "FORMATS",
            "FeedRows", "INSERT", "KeyRun", "MOVED", "Op", "Run", "SQL_TEXT", "UPDATE", "UPDATES",

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..assembler import TransactionEnd
-from ..protocol.lsn import LSN
+from ...assembler import TransactionEnd
+from ...protocol.lsn import LSN
+from ..mapping import MappingError, RelationMapping
+from ..plan import Facts, Need, Route, carries, plan
+from ..relations import RelationCache
+from ..transaction import TargetTransaction
 from .batch import KeyRun, Run
-from .fastpath import FastPath, LaneRoom
 from .lane import LaneStamp, RunMaker
-from .mapping import MappingError, RelationMapping
-from .plan import Facts, Need, Route, carries, plan
-from .relations import RelationCache
-from .transaction import TargetTransaction
+from .path import FastPath, LaneRoom
 
 __all__ = ["LaneSeat", "SeatOwner"]
 

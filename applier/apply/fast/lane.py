@@ -29,12 +29,12 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
-from ..assembler import TransactionEnd
-from ..implementation import accelerator
-from ..protocol.decoder import decode
-from ..protocol.messages import ROW_CHANGE_TYPES, Commit, MessageType
+from ...assembler import TransactionEnd
+from ...implementation import accelerator
+from ...protocol.decoder import decode
+from ...protocol.messages import ROW_CHANGE_TYPES, Commit, MessageType
 from .batch import KeyRun, Run
-from .fastpath import LaneRoom
+from .path import LaneRoom
 
 __all__ = ["Lane", "LaneHost", "RunMaker", "LaneStamp", "core", "lane_for"]
 
@@ -50,7 +50,7 @@ _BEGIN = int(MessageType.BEGIN)
 
 
 class LaneHost(Protocol):
-    """What the lane needs of the apply stage (``lane_seat.LaneSeat``)."""
+    """What the lane needs of the apply stage (``fast.seat.LaneSeat``)."""
 
     @property
     def batch_runs(self) -> dict[int, Run | KeyRun]:

@@ -26,7 +26,7 @@ from typing import Protocol
 
 from psycopg import pq
 
-from ..errors import Cause, TargetError, cause_of_sqlstate
+from ...errors import Cause, TargetError, cause_of_sqlstate
 
 __all__ = ["FLUSH_EVERY", "Pipeline", "PipelineError", "Preparable", "RowCountMismatch"]
 

@@ -18,17 +18,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..assembler import TransactionEnd
-from ..errors import ApplyError, Cause, Directive, TargetError, decide_in_batch
-from ..progress.records import Position
-from ..protocol.lsn import LSN
-from ..protocol.messages import TupleData
+from ...assembler import TransactionEnd
+from ...errors import ApplyError, Cause, Directive, TargetError, decide_in_batch
+from ...progress.records import Position
+from ...protocol.lsn import LSN
+from ...protocol.messages import TupleData
+from ..copy import sized_copy_sql
+from ..feed.meta import Meta
+from ..mapping import RelationMapping
+from ..transaction import TargetTransaction
 from .batch import Batch, KeyRun, Run
-from .copy import sized_copy_sql
-from .feed.meta import Meta
-from .mapping import RelationMapping
 from .pipeline import Pipeline, PipelineError, RowCountMismatch
-from .transaction import TargetTransaction
 
 __all__ = ["BatchLimits", "FastPath", "INSERT_PART_ROWS", "LaneRoom", "PART_ROWS"]
 

@@ -3,7 +3,7 @@
 ``dispatch.Applier`` is the stage's face (the assembler's ``TransactionSink``); ``build`` puts it
 together for a target session; ``plan`` decides each transaction's route. Inside: the one
 owner of the target transaction (``transaction``), over the target session (``target``) and the bookkeeping store
-(``progress.store``); the relations and their mappings onto target tables (``relations``,
+(``progress.store``); the relations and their mappings onto target tables (``relation_cache``,
 ``mapping``); the careful path (``careful``, one statement per row, conflicts resolved by
 ``conflicts``) and the fast path (the ``fast`` package: ``path``, ``batch``, ``ops``, ``sql``,
 ``pipeline``, and the ``lane`` with its C core and its ``seat``; ``copy`` encodes COPY data);

@@ -28,8 +28,8 @@ from .feed.spool import FeedSpool
 from .feed.writer import FeedWriter
 from .handlers import build_handlers, tag_with_origin
 from .mapping import TargetTable
-from .relations import RelationCache
-from .schema import ColumnSource
+from .relation_cache import RelationCache
+from .schema_follow import ColumnSource
 from .streaming import LOCK_TIMEOUT
 from .sync_filter import SyncFilter
 from .target import TargetSession

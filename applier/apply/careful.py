@@ -20,7 +20,7 @@ from ..protocol.messages import KIND_UNCHANGED, Delete, Insert, Truncate, TupleD
 from .conflicts import ConflictHandler
 from .feed.meta import Meta, text_meta
 from .mapping import RelationMapping
-from .relations import RelationCache
+from .relation_cache import RelationCache
 from .statements import (
     NEW,
     Statement,

@@ -43,13 +43,13 @@ from .divert import Discard, Divert
 from .fast.lane import Lane, lane_for
 from .fast.path import BatchLimits, FastPath
 from .fast.seat import LaneSeat
+from .fitted_mappings import TableMappings
 from .handlers import Handlers
 from .mapping import MappingError
-from .mappings import TableMappings
 from .plan import Facts, Need, Route, plan
-from .relations import RelationCache
+from .relation_cache import RelationCache
 from .row_changes import RowChanges
-from .schema import ColumnSource
+from .schema_follow import ColumnSource
 from .skipping import Skipper
 from .sync_filter import SyncFilter
 from .transaction import TargetTransaction

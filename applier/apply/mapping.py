@@ -3,7 +3,7 @@
 Owns reading a target table's definition (columns, types, key, whether its rows are independent
 of other tables: catalog queries on a connection of its own, off the hot path) and binding a
 source Relation to it, column by column by name (``RelationMapping``). Must never run a statement
-on the apply session or cache anything (``relations.RelationCache`` does).
+on the apply session or cache anything (``relation_cache.RelationCache`` does).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class TargetTable:
 
     @property
     def display(self) -> str:
-        """``schema.table`` as people read it (metrics labels, summaries), unquoted."""
+        """``schema_follow.table`` as people read it (metrics labels, summaries), unquoted."""
         return f"{self.schema}.{self.name}"
 
 

@@ -28,7 +28,7 @@ from .divert import Divert
 
 if TYPE_CHECKING:
     from ..assembler import Change, TransactionEnd
-    from .relations import RelationCache
+    from .relation_cache import RelationCache
     from .transaction import TargetTransaction
 
 __all__ = ["SkipRequests", "Skipper", "describe_request"]

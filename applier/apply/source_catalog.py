@@ -14,7 +14,7 @@ table's), its missing value, current default and whether that is volatile, ident
 and NOT NULL, on a connection of its own to the source, opened when first needed (an added
 column is rare) with an empty ``search_path`` (expressions come back schema-qualified) and fixed
 text settings (the missing value comes back as text the target's input function reads alike).
-Must never write to the source, nor decide what the target does (``schema`` does).
+Must never write to the source, nor decide what the target does (``schema_follow`` does).
 """
 
 from __future__ import annotations

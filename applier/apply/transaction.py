@@ -59,7 +59,7 @@ class TargetTransaction:
         self.origin: Origin | None = None
         self.counts: Counter[str] = Counter()    # committed on the target
         self.pending: Counter[str] = Counter()   # in the open target transaction
-        #: How a schema change needed now is made (``schema.DDL_*``): inside the open
+        #: How a schema change needed now is made (``schema_follow.DDL_*``): inside the open
         #: transaction, committed on its own before it, or not at all.
         self.schema_changes = DDL_INLINE
         #: Called with True when the open transaction commits, False when it rolls back.

@@ -67,7 +67,7 @@ from .ddl import DDL_INLINE, DDL_SEPARATELY
 from .divert import Divert
 from .origins import OriginTracker
 from .plan import already_applied
-from .relations import RelationCache
+from .relation_cache import RelationCache
 from .skipping import SkipRequests
 from .transaction import TargetTransaction
 

@@ -284,7 +284,7 @@ def rig(*, fast: bool = False, handlers: Callable[[Any], Any] | None = None,
     from applier.apply.fast.path import BatchLimits
     from applier.apply.handlers import default_handlers
     from applier.apply.mapping import MissingTargetTable
-    from applier.apply.relations import RelationCache
+    from applier.apply.relation_cache import RelationCache
     from applier.apply.transaction import TargetTransaction
     from applier.progress.records import AppliedPosition
 

@@ -15,7 +15,7 @@ from ...assembler import TransactionEnd
 from ...protocol.lsn import LSN
 from ..mapping import MappingError, RelationMapping
 from ..plan import Facts, Need, Route, carries, plan
-from ..relations import RelationCache
+from ..relation_cache import RelationCache
 from ..transaction import TargetTransaction
 from .batch import KeyRun, Run
 from .lane import LaneStamp, RunMaker

@@ -10,7 +10,7 @@ Owns, for one target session (``FeedWriter``, reached as ``TargetTransaction.fee
   transaction that records the commit (``fix_pending``, ``fix_prepared``);
 * the change table of each mapped table kept fit for the rows written to it (a column the
   target gained is added, a widened type widened), in the open target transaction, as
-  ``schema.SchemaFollower`` does for the target table (and with its rules for sessions that must
+  ``schema_follow.SchemaFollower`` does for the target table (and with its rules for sessions that must
   not take such locks);
 * partitions: one is created in the open target transaction when a commit LSN passes the
   newest (forgotten again if that transaction rolls back);

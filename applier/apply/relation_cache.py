@@ -96,7 +96,7 @@ class RelationCache:
             self.forget(relation_id)
 
     def table_name(self, relation_id: int) -> str | None:
-        """``schema.table`` of a known relation (as skip records name tables)."""
+        """``schema_follow.table`` of a known relation (as skip records name tables)."""
         relation = self._relations.get(relation_id)
         return None if relation is None else f"{relation.namespace}.{relation.name}"
 

@@ -1,7 +1,7 @@
 """Which target table each source relation writes to, made to fit before it is used.
 
 Owns handing out a relation's ``RelationMapping``: with ``--schema-changes follow`` the target
-table is first altered to fit the source's Relation message (``schema.SchemaFollower``), and a
+table is first altered to fit the source's Relation message (``schema_follow.SchemaFollower``), and a
 table the change feed records has its change table aligned too; both changes belong to the open
 target transaction, so the relations they touched are read again if it rolls back. Also keeps the
 source's Type messages, which name the types of new columns. Must never apply a row change.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from ..protocol.messages import Relation, Type
 from .mapping import RelationMapping
-from .relations import RelationCache
-from .schema import ColumnSource, SchemaFollower, TypeCache
+from .relation_cache import RelationCache
+from .schema_follow import ColumnSource, SchemaFollower, TypeCache
 from .transaction import TargetTransaction
 
 __all__ = ["TableMappings"]

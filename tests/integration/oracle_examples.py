@@ -165,3 +165,13 @@ FULL_WITHOUT_EQUALITY = (
                                       ("2", literal('{"b": 2}') + "::json"))),), "single"),
               Transaction((Update(0, Where(nth=0), (("a", "10"),)),), "single"),
               Transaction((Delete(0, Where(nth=0)),), "single"))))
+
+# A column added with a default to a FULL identity table, on the targets first, in the
+# transaction that updated its rows just before: PostgreSQL's subscriber (15 and 18) finds none
+# of those rows to update and goes on; the source is the oracle (the soak's seed 5035).
+_FULL = Table("public", "fa", (Column("a", "int"), Column("v", "text")), (), "full")
+A_COLUMN_ADDED_TO_A_FULL_TABLE = (
+    Schema(_TYPES, (_FULL,)),
+    Workload((Transaction((BulkInsert(0, 5),), "single"),
+              Transaction((Update(0, Where(), (("v", "'changed'"),)),
+                           AddColumn(0, "text", "'default'")), "commit"))))

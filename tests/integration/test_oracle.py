@@ -28,6 +28,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import pg_versions
 from oracle_examples import (
+    A_COLUMN_ADDED_TO_A_FULL_TABLE,
     COLUMN_ADDED_ON_THE_SOURCE,
     EVERY_SHAPE,
     FULL_WITHOUT_EQUALITY,
@@ -101,6 +102,21 @@ def test_a_replica_that_differs_from_its_source_where_the_stream_says_so(oracle:
     assert outcome.native_vs_source is not None and outcome.native_vs_source.startswith(
         "public.rooted_p0: 0 rows in the source, 499 in target A"), outcome.native_vs_source
     assert not outcome.differences, outcome.differences
+
+
+def test_where_postgresqls_subscriber_goes_wrong_the_source_decides(oracle: Oracle) -> None:
+    """A column added with a default to a FULL identity table (targets first) in the transaction
+    that updated its rows just before: PostgreSQL's subscriber (15 and 18 alike) finds none of
+    those rows and keeps them unchanged; every route equals the source, which the rig then takes
+    for the oracle."""
+    schema, workload = A_COLUMN_ADDED_TO_A_FULL_TABLE
+    outcome = oracle.check(schema, workload, list(ROUTES), live=False)
+    assert not outcome.differences, report(Example(schema, workload, False), outcome,
+                                           list(ROUTES), 0)
+    assert outcome.native_vs_source is not None and outcome.native_vs_source.startswith(
+        "public.fa: 5 rows in the source, 5 in target A"), outcome.native_vs_source
+    assert sorted(outcome.source_confirmed) == sorted(
+        r.name for r in ROUTES if oracle.source.version >= r.min_version), outcome
 
 
 @pytest.mark.parametrize("example, refusal", [

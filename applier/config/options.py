@@ -63,9 +63,10 @@ OPTIONS: tuple[Option, ...] = (
            "on when the slot was created with two_phase.", kind="bool", commands=_REPLICATION),
     Option("binary", "Column values in binary (PostgreSQL 14+ source), which is cheaper to "
            "produce and to load than text. on: always (source and target types must then match "
-           "exactly). auto: binary while every replicated column has the same built-in type on "
-           "both sides; the first relation that does not restarts the session in text, for the "
-           "rest of the process. off: text. A bare --binary means on. peek shows text unless on.",
+           "exactly). auto: text from the start when a published column's type is not built in "
+           "(read from the source's catalogs), else binary while every replicated column has the "
+           "same built-in type on both sides; the first relation that does not restarts the "
+           "session in text, for the rest of the process. off: text. A bare --binary means on. peek shows text unless on.",
            kind="choice", choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),

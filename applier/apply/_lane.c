@@ -1089,7 +1089,13 @@ PyInit__lane(void)
         return NULL;
     if (PyModule_AddObjectRef(module, "Run", (PyObject *)&RunType) < 0
         || PyModule_AddObjectRef(module, "KeyRun", (PyObject *)&KeyRunType) < 0
-        || PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0) {
+        || PyModule_AddObjectRef(module, "Lane", (PyObject *)&LaneType) < 0
+        /* Why take() returned: read by lane.py from here, never restated there. */
+        || PyModule_AddIntConstant(module, "END", LANE_END) < 0
+        || PyModule_AddIntConstant(module, "FOREIGN", LANE_FOREIGN) < 0
+        || PyModule_AddIntConstant(module, "NO_RUN", LANE_NO_RUN) < 0
+        || PyModule_AddIntConstant(module, "PART", LANE_PART) < 0
+        || PyModule_AddIntConstant(module, "LIMIT", LANE_LIMIT) < 0) {
         Py_DECREF(module);
         return NULL;
     }

@@ -66,7 +66,8 @@ OPTIONS: tuple[Option, ...] = (
            "exactly). auto: text from the start when a published column's type is not built in "
            "(read from the source's catalogs), else binary while every replicated column has the "
            "same built-in type on both sides; the first relation that does not restarts the "
-           "session in text, for the rest of the process. off: text. A bare --binary means on. peek shows text unless on.",
+           "session in text, for the rest of the process. off: text. A bare --binary means on. "
+           "peek shows text unless on.",
            kind="choice", choices=("auto", "on", "off"), default="auto", commands=_REPLICATION),
     Option("messages", "Receive pg_logical_emit_message messages.", kind="bool", default=False,
            commands=_REPLICATION),

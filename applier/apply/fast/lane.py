@@ -44,8 +44,6 @@ RunMaker = Callable[[int, tuple[int, ...], bool], "Run | KeyRun"]
 #: while the commit is not known), xid, change rows so far.
 LaneStamp = tuple[int, int | None, int, int]
 
-#: Why the C ``Lane.take`` stopped (``_lane.c``).
-_END, _FOREIGN, _NO_RUN, _PART, _LIMIT = 0, 1, 2, 3, 4
 _BEGIN = int(MessageType.BEGIN)
 
 
@@ -99,6 +97,7 @@ class Lane:
     def __init__(self, module: ModuleType, sink: LaneHost) -> None:
         self._sink = sink
         self._lane = module.Lane(sink.batch_runs)
+        self._part, self._limit, self._no_run = module.PART, module.LIMIT, module.NO_RUN
         self._lane.record_commits = sink.records_commits
         # A run for each kind of change, made from (columns, key positions), in the format of
         # the values of the change that asked for it (``Lane.binary``).
@@ -164,12 +163,12 @@ class Lane:
                 sink.lane_seq(lane.seq)
             elif lane.transactions:
                 sink.lane_due()
-            reason = lane.reason
-            if reason == _PART:
+            reason = lane.reason  # why the C take stopped: the module's own constants
+            if reason == self._part:
                 sink.send_part()
-            elif reason == _LIMIT:
+            elif reason == self._limit:
                 sink.flush()
-            elif reason != _NO_RUN or not sink.lane_run(lane.relation, chr(lane.kind),
+            elif reason != self._no_run or not sink.lane_run(lane.relation, chr(lane.kind),
                                                         self._makers[chr(lane.kind)]):
                 return index
         return index

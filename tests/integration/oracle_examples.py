@@ -146,6 +146,14 @@ ONE_PARTITION_TRUNCATED = (
               Transaction((Truncate((0,), one_partition=True),), "single"),
               Transaction((Update(0, Where(), (("v", "'after'"),)),), "single"))))
 
+# The same truncate, then a column added on the source alone, which PostgreSQL's subscriber
+# stops at: the source is the oracle, except for that partition (the soak's seed 5064).
+A_PARTITION_TRUNCATED_THEN_REFUSED = (
+    Schema(_TYPES, (_ROOTED,)),
+    Workload((Transaction((BulkInsert(0, 700),), "single"),
+              Transaction((Truncate((0,), one_partition=True),), "single"),
+              Transaction((AddColumn(0, "jsonb", source_only=True), BulkInsert(0, 5)), "commit"))))
+
 # A column added on the source alone: applier adds it to the target, PostgreSQL's subscriber
 # stops at the first row that has it.
 _PLAIN = Table("public", "p", (Column("id", "int", nullable=False), Column("v", "text")),

@@ -64,6 +64,7 @@ log = logging.getLogger(__name__)
 NO_HOLD = LSN(2**64)
 
 _ALREADY_APPLIED = Discard("already applied")
+_NO_NEEDS: frozenset[Need] = frozenset()
 _SKIPPED_ORIGIN = Discard("from a skipped origin")
 
 
@@ -230,18 +231,15 @@ class Applier:
               streamed: bool = False, early: bool = False) -> Facts:
         """What ``plan.plan`` decides a transaction's route from, as this stage stands now."""
         skips = self.handlers.skips
-        needs = set()
-        if self.sync_filter is not None and self.sync_filter.active:
-            needs.add(Need.COPY_BESIDE)
-        if self.hold_pending:
-            needs.add(Need.HOLD)
-        if skips.lsn is not None:
-            needs.add(Need.SKIP_PENDING)
-        return Facts(commit_lsn, self.tx.applied.commit_lsn, self.careful_until, frozenset(needs),
-                     prepared=prepared,
-                     skip_matches=commit_lsn is not None and skips.matches(commit_lsn),
-                     streamed=streamed, fast=self.fast is not None, lane=self.lane is not None,
-                     early=early)
+        copying = self.sync_filter is not None and self.sync_filter.active
+        needs = _NO_NEEDS
+        if copying or self.hold_pending or skips.lsn is not None:  # seldom: a set only then
+            needs = frozenset(need for need, needed in (
+                (Need.COPY_BESIDE, copying), (Need.HOLD, self.hold_pending),
+                (Need.SKIP_PENDING, skips.lsn is not None)) if needed)
+        return Facts(commit_lsn, self.tx.applied.commit_lsn, self.careful_until, needs, prepared,
+                     commit_lsn is not None and skips.lsn is not None and skips.matches(commit_lsn),
+                     streamed, self.fast is not None, self.lane is not None, early)
 
     def origin(self, msg: Origin) -> None:
         tx = self.tx

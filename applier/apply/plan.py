@@ -14,8 +14,8 @@ without a server.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from ..protocol.lsn import LSN
 
@@ -62,11 +62,10 @@ def carries(route: Route, needs: frozenset[Need]) -> bool:
     return needs <= CARRIES[route]
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(NamedTuple):
     """What ``plan`` decides from. ``commit_lsn`` is None before it is known (the lane before
     it reads the Begin, a streamed transaction before its commit): the rules by LSN are then
-    left to whoever learns it (``floor``)."""
+    left to whoever learns it (``floor``). (A named tuple: it is made for every transaction.)"""
 
     commit_lsn: LSN | None
     applied: LSN                  # the commit LSN of the target's recorded position
@@ -94,7 +93,9 @@ def already_applied(commit_lsn: LSN, applied: LSN) -> bool:
 
 
 def plan(facts: Facts) -> Route:
-    """The route of one source transaction (see ``Route``)."""
+    """The route of one source transaction (see ``Route``): the first of the lane, the fast and
+    the careful path (streamed: applied early, buffered) that exists and carries what it needs.
+    Written out rather than looped: it runs for every transaction."""
     commit_lsn = facts.commit_lsn
     if commit_lsn is not None and already_applied(commit_lsn, facts.applied):
         return Route.ALREADY_APPLIED
@@ -102,17 +103,15 @@ def plan(facts: Facts) -> Route:
         return Route.SKIPPED
     if facts.prepared:
         return Route.PREPARED
+    needs = facts.needs
+    redone = commit_lsn is not None and commit_lsn <= facts.careful_until
     if facts.streamed:
-        candidates = [Route.EARLY] if facts.early else []
-        if commit_lsn is not None and commit_lsn <= facts.careful_until:
-            candidates = []
-        return _first(candidates, facts.needs, Route.BUFFERED)
-    if commit_lsn is not None and commit_lsn <= facts.careful_until:
-        return Route.CAREFUL
-    candidates = ([Route.LANE] if facts.lane and facts.fast else []) + (
-        [Route.FAST] if facts.fast else [])
-    return _first(candidates, facts.needs, Route.CAREFUL)
-
-
-def _first(candidates: list[Route], needs: frozenset[Need], last: Route) -> Route:
-    return next((route for route in candidates if carries(route, needs)), last)
+        if facts.early and not redone and (not needs or needs <= CARRIES[Route.EARLY]):
+            return Route.EARLY
+        return Route.BUFFERED
+    if facts.fast and not redone:
+        if facts.lane and (not needs or needs <= CARRIES[Route.LANE]):
+            return Route.LANE
+        if not needs or needs <= CARRIES[Route.FAST]:
+            return Route.FAST
+    return Route.CAREFUL

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import time
-from datetime import timedelta
 
 import forked
 import pytest
@@ -63,15 +62,6 @@ def _damage(target_db) -> int:
     return truncated
 
 
-def _longest_pause(target_db) -> tuple[timedelta, timedelta]:
-    """The longest time between two ticks applied, and how long pgbench_history's copy took."""
-    gap = target_db.query("SELECT max(d) FROM (SELECT applied_at - lag(applied_at) OVER "
-                          "(ORDER BY applied_at) AS d FROM ticks) g")[0][0]
-    copy = target_db.query("SELECT finished_at - started_at FROM applier.repairs "
-                           "WHERE kind = 'resync'")[0][0]
-    return gap, copy
-
-
 @pytest.mark.slow
 def test_damage_is_reported_exactly_and_repaired_under_load(pg_pair, source_db, target_db,
                                                             tmp_path) -> None:
@@ -119,10 +109,10 @@ def test_damage_is_reported_exactly_and_repaired_under_load(pg_pair, source_db, 
     run_worker(source_db, target_db)
     assert_same_rows(source_db, target_db, "pgbench_accounts", "pgbench_tellers", "pgbench_branches",
                      "pgbench_history", "ticks")
-    gap, copy = _longest_pause(target_db)
-    # The worker's own steps around the copy (reading the publication, the hand-over) and the
-    # load's own gaps take well under a second.
-    assert gap <= copy + timedelta(seconds=1), (gap, copy)
+    # The repairs and the resync ran beside the stream: the worker never stopped or started its
+    # replication session again (not a timing: a busy machine stretches any pause).
+    sessions = [line for line in log.read_text().splitlines() if "streaming from" in line]
+    assert len(sessions) == 1, sessions
     assert target_db.query("SELECT kind, schema_name, table_name, keys FROM applier.repairs "
                            "WHERE kind = 'repair' ORDER BY table_name") == [
         ("repair", "public", "pgbench_accounts", [[60001, 60010], [70001, 70005], [200001, 200002]]),

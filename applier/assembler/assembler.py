@@ -141,7 +141,8 @@ class Assembler:
 
     def close(self) -> None:
         """Drop every buffered transaction and remove all spill files (the one applied as it
-        streams is rolled back)."""
+        streams is rolled back). What is fed next must begin between transactions: a session
+        that starts again, or the worker's redo of what it received since a clean point."""
         self._early.close()
         self._streams.close()
         self._block = None

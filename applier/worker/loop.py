@@ -27,12 +27,14 @@ import psycopg
 
 from ..apply.dispatch import Applier
 from ..assembler import Assembler
+from ..errors import ApplyError, Directive, decide
 from ..ingest.gate import IngestGate
 from ..progress.flush import FlushTracker
 from ..protocol.lsn import LSN
 from ..source import ReplicationStream
 from ..source.slots import slot_info
 from ..units import readable_size
+from .redo import RedoLog
 
 __all__ = ["CaughtUp", "ProgressLog", "StopRequested", "StreamLoop"]
 
@@ -65,7 +67,8 @@ class StreamLoop:
                  flushed_wal_lsn: Callable[[], LSN], caught_up: CaughtUp | None,
                  stop_requested: Callable[[], bool], progress_interval: float = 10.0,
                  check_publications: Callable[[], None] | None = None,
-                 requests: Callable[[], None] | None = None) -> None:
+                 requests: Callable[[], None] | None = None,
+                 early_open: Callable[[], bool] = lambda: False) -> None:
         self.stream = stream
         self.assembler = assembler
         self.applier = applier
@@ -84,6 +87,10 @@ class StreamLoop:
         self.check_publications = check_publications
         #: Between source transactions: the requests of applier resync and verify (``requests``).
         self.requests = requests
+        #: A streamed transaction is open in the early session (its changes are not in the log).
+        self.early_open = early_open
+        #: What a batch rolled back would need fed again: at most what one batch may hold.
+        self.redo = RedoLog(applier.fast.limits.bytes if applier.fast is not None else 0)
 
     def committed(self, end_lsn: LSN, target_lsn: LSN | None) -> None:
         """A target commit covering source ``end_lsn`` (the apply stage's ``on_commit``)."""
@@ -92,11 +99,48 @@ class StreamLoop:
             self.stream.confirm(confirm)
 
     def run(self) -> None:
-        """Until stopped (``StopRequested``) or, with a goal, caught up."""
+        """Until stopped (``StopRequested``) or, with a goal, caught up. A batch rolled back to
+        be redone row by row is redone here when the redo log holds all of it."""
+        redo: ApplyError | None = None
+        while True:
+            try:
+                if redo is not None:
+                    self._redo(redo)
+                self._stream()
+                return
+            except ApplyError as exc:
+                if not self._may_redo_here(exc):
+                    raise
+                redo = exc
+
+    def _may_redo_here(self, exc: ApplyError) -> bool:
+        return (exc.careful_until is not None and decide(exc) is Directive.REDO_CAREFUL
+                and self.redo.complete and not self.early_open())
+
+    def _redo(self, exc: ApplyError) -> None:
+        """Everything since the last clean point again, with the apply stage and the assembler
+        back at that point: what committed since is skipped as already applied, and the
+        transactions up to ``exc.careful_until`` go row by row."""
+        applier = self.applier
+        assert exc.careful_until is not None
+        applier.abort_open_transaction()
+        applier.careful_until = LSN(max(applier.careful_until, exc.careful_until))
+        self.assembler.close()
+        batches = self.redo.batches()
+        log.info("batch rolled back (%s); applying up to %s row by row, from the %d payload(s) "
+                 "received since %s", exc, exc.careful_until, sum(map(len, batches)),
+                 applier.tx.applied.end_lsn)
+        for payloads in batches:
+            self.gate.feed(payloads)
+
+    def _stream(self) -> None:
         stream, assembler, applier, unflushed = self.stream, self.assembler, self.applier, self.unflushed
         last_flush_check = 0.0
         last_received = time.monotonic()
+        redo = self.redo
         while not self.stop_requested():
+            if not applier.holds_uncommitted and assembler.idle:
+                redo.clean()
             # With the fast path's batch open between source transactions, take only what has
             # arrived, or what arrives while the batch may still wait for more (--batch-wait);
             # the moment the stream pauses after that, commit it. Inside a source transaction,
@@ -122,6 +166,7 @@ class StreamLoop:
             batch = stream.read_batch(timeout=timeout)
             if batch:
                 last_received = time.monotonic()
+                redo.record(batch)
             self.gate.feed(batch)
             self.progress.maybe_log(stream)
             # A streamed transaction may stay open on the source for as long as it likes: what

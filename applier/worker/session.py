@@ -175,7 +175,8 @@ class ReplicationSession:
             loop = StreamLoop(stream, assembler, applier, IngestGate(assembler, applier.lane),
                               control, self.slot, flushed, state.caught_up, self.stopping.is_set,
                               settings.progress_interval, publications.check,
-                              requests.between_transactions)
+                              requests.between_transactions,
+                              lambda: streaming is not None and streaming.applying)
             self.telemetry.attach(stream, assembler, applier)
             log.info("streaming from %s (recorded commit %s) with %s%s", applied.end_lsn,
                      applied.commit_lsn, options.sql(),
@@ -190,6 +191,8 @@ class ReplicationSession:
                 state.text_values = True
             raise
         finally:
+            if applier is not None:  # a stretch this session redid row by row, if any
+                state.careful_until = LSN(max(state.careful_until, applier.careful_until))
             # Each step on its own: a failure in one (a dead connection) must not keep the next
             # from running, above all closing the replication connection, whose walsender
             # otherwise holds the slot.

@@ -160,7 +160,8 @@ class Oracle:
             clock.lap("workload")
             if not live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=True)
-            failures, outcome.native_refused = self._wait(names, workers, logs, outcome)
+            failures, outcome.native_refused = self._wait(names, workers, logs, outcome,
+                                                          source_db)
             clock.lap("wait")
             self._compare(schema, workload, source_db, names, failures, outcome)
             clock.lap("compare")
@@ -203,7 +204,10 @@ class Oracle:
                               names.values()))
         finally:
             self.target.drop_database(template)
-        two_phase = {names["native"]: True} | {names[r.name]: r.two_phase for r in routes}
+        # The witness: a slot of the native one's kind that nobody streams; PostgreSQL's own SQL
+        # functions read it after the fact when a route's walsender refused its WAL.
+        two_phase = ({names["native"]: True, _witness(names): True}
+                     | {names[r.name]: r.two_phase for r in routes})
         execute(self.source.dsn(source_db), *(
             f"SELECT pg_create_logical_replication_slot({literal(slot)}, 'pgoutput', false, "
             f"{str(tp).lower()})" for slot, tp in two_phase.items()))
@@ -250,10 +254,11 @@ class Oracle:
 
     # -- waiting ---------------------------------------------------------------------------------
     def _wait(self, names: dict[str, str], workers: dict[str, subprocess.Popen], logs: Path,
-              outcome: Outcome) -> tuple[dict[str, str], str | None]:
+              outcome: Outcome, source_db: str) -> tuple[dict[str, str], str | None]:
         """Until every consumer holds the marker. Returns the routes that failed (why) and why
         PostgreSQL's subscriber could not take the example (None: it could). Where the source
-        could not decode the native slot's WAL, a route whose slot failed the same way is not a
+        could not decode the WAL (the native slot's, or the witness slot's read after the fact
+        by PostgreSQL's own SQL functions), a route whose slot failed the same way is not a
         failure of its own (``outcome.undecodable_routes``)."""
         failures: dict[str, str] = {}
         refused = None
@@ -269,9 +274,11 @@ class Oracle:
                         self.caught_up[name] = time.monotonic() - started
                         continue
                     worker = workers.get(name)
-                    undecodable = outcome.undecodable
-                    if (undecodable is not None and name != "native" and self.logs[
-                            self.source.name].walsender_error(names[name]) == undecodable):
+                    refusal = (self.logs[self.source.name].walsender_error(names[name])
+                               if name != "native" else None)
+                    if refusal is not None and outcome.undecodable is None:
+                        outcome.undecodable = self._witness_refusal(source_db, names, refusal)
+                    if refusal is not None and refusal == outcome.undecodable:
                         outcome.undecodable_routes.append(name)
                         pending.discard(name)
                     elif worker is not None and worker.poll() is not None:
@@ -293,6 +300,21 @@ class Oracle:
                 failures[name] = (f"the worker did not catch up within {CATCH_UP_SECONDS:.0f} s:\n"
                                   f"{_tail(logs / (names[name] + '.log'))}")
         return failures, refused
+
+    def _witness_refusal(self, source_db: str, names: dict[str, str], refusal: str) -> str | None:
+        """``refusal`` (a route's walsender's error) if PostgreSQL's own SQL functions, reading
+        the witness slot from its start, fail the same way: no consumer reading that WAL after
+        the fact gets past it, whatever it asks for. None if they decode it."""
+        try:
+            execute(self.source.dsn(source_db),
+                    f"SELECT count(*) FROM pg_logical_slot_peek_binary_changes("
+                    f"{literal(_witness(names))}, NULL, NULL, 'proto_version', "
+                    f"'{min(self.source.version - 12, 4)}', 'publication_names', "
+                    f"{literal(_PUBLICATIONS)}, 'two_phase', 'on')")
+        except psycopg.Error as exc:
+            error = str(exc).splitlines()[0]
+            return refusal if error == refusal else None
+        return None
 
     def _refusal(self, query: Callable[[str], list[tuple]], slot: str,
                  outcome: Outcome) -> str | None:
@@ -370,6 +392,10 @@ class Oracle:
             _until_recovered(partial(self.target.drop_database, database))
         _until_recovered(partial(self.source.drop_database, source_db))
         drop_origins(self.target, list(names.values()))
+
+
+def _witness(names: dict[str, str]) -> str:
+    return f"{names['native']}_witness"
 
 
 def _unpublished_truncates(schema: Schema, workload: Workload) -> set[str]:

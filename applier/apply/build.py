@@ -65,7 +65,7 @@ class ApplyOptions:
 
 def main_applier(session: TargetSession, options: ApplyOptions,
                  reflect: Callable[[str, str], TargetTable], on_commit: OnCommit, *,
-                 careful_until: LSN, warn: Callable[[str], None],
+                 careful_until: LSN, careful_xids: set[int], warn: Callable[[str], None],
                  on_relation: Callable[[Relation], None] | None = None) -> Applier:
     """The applier of the worker's main target session. Raises ValueError for a setting the
     target cannot honour, ``SyncIncomplete`` while an initial copy is unfinished."""
@@ -87,7 +87,8 @@ def main_applier(session: TargetSession, options: ApplyOptions,
                               conflict_policy=options.conflict_policy)
     return Applier(tx, RelationCache(reflect, binary_check=options.binary_check, feeds=options.feeds),
                    handlers,
-                   limits=options.limits, careful_until=careful_until, sync_filter=sync_filter,
+                   limits=options.limits, careful_until=careful_until, careful_xids=careful_xids,
+                   sync_filter=sync_filter,
                    follow_schema=options.follow_schema, source=options.source,
                    on_relation=on_relation)
 

@@ -71,6 +71,7 @@ _SKIPPED_ORIGIN = Discard("from a skipped origin")
 class Applier:
     def __init__(self, tx: TargetTransaction, relations: RelationCache, handlers: Handlers, *,
                  limits: BatchLimits | None = None, careful_until: LSN = LSN(0),
+                 careful_xids: set[int] | None = None,
                  sync_filter: SyncFilter | None = None, follow_schema: bool = False,
                  source: ColumnSource | None = None,
                  on_relation: Callable[[Relation], None] | None = None) -> None:
@@ -95,6 +96,9 @@ class Applier:
         #: Everything up to this source commit LSN goes through the careful path (the fast path
         #: met a conflict or an error there).
         self.careful_until = careful_until
+        #: Streamed transactions (xids) whose early apply met what the careful path resolves (a
+        #: conflict): at their commit, row by row at once, rather than batched and redone.
+        self.careful_xids = careful_xids if careful_xids is not None else set()
         self.sync_filter = sync_filter
         #: ``on_hold`` waits before the first source transaction committing at or after this
         #: (a verify's position; LSN(0): the next one; NO_HOLD: none); ``on_copy_wait`` until a
@@ -197,6 +201,9 @@ class Applier:
     def _begin(self, txn: TransactionStart) -> None:
         tx = self.tx
         tx.start(txn)
+        if txn.xid in self.careful_xids:
+            self.careful_xids.discard(txn.xid)
+            self.careful_until = LSN(max(self.careful_until, txn.commit_lsn))
         self._fast = False
         if self.sync_filter is not None:
             self.sync_filter.begin(txn.commit_lsn)

@@ -30,7 +30,8 @@ buffered twice). So giving up is quiet only until the first of them is taken (th
 buffers the transaction as any other); after that, giving up (a conflict, a logical message, an
 error, a Stream Prepare) rolls back and ends the replication session with a transient
 ``ApplyError``: the source sends the transaction again from its start, and it is then buffered
-and applied at its commit (its xid is remembered as refused). Must never commit anything but a
+and applied at its commit (its xid is remembered as refused; after a conflict, as one to apply
+row by row: ``Applier.careful_xids``, so it is sent twice, not three times). Must never commit anything but a
 whole source transaction in its commit order.
 """
 
@@ -139,7 +140,7 @@ class StreamingApply:
             self.applier.begin(TransactionStart(xid, _UNKNOWN_LSN, _UNKNOWN_TIME, streamed=True,
                                                 gid=None, end_lsn=None))
         except (ApplyError, TargetError) as exc:
-            self._give_up(str(exc))  # nothing taken yet: quietly
+            self._give_up_after(exc)  # nothing taken yet: quietly
             return False
         log.debug("applying streamed transaction %d as it streams", xid)
         return True
@@ -219,7 +220,7 @@ class StreamingApply:
         except ApplyError as exc:
             if decide(exc) is not Directive.REDO_CAREFUL:
                 raise  # a lost connection: whether COMMIT happened is unknown; restart
-            self._give_up(str(exc))
+            self._give_up_after(exc)
             return False
         self._learn_relations()
         main.tx.applied = applier.tx.applied
@@ -258,7 +259,7 @@ class StreamingApply:
                 self.applier.settle()
                 return self.applier.tx.session.flushed_wal_lsn()
             except (ApplyError, TargetError) as exc:
-                self._give_up(str(exc))
+                self._give_up_after(exc)
         return self.main.tx.session.flushed_wal_lsn()
 
     # -- handing over the right to write ---------------------------------------------------------
@@ -276,7 +277,7 @@ class StreamingApply:
                 self.applier.tx.session.sql(_ORIGIN_SETUP, [self._origin])
             except TargetError as exc:
                 main_session.sql(_ORIGIN_SETUP, [self._origin])
-                self._give_up(str(exc))
+                self._give_up_after(exc)
                 return False
         self._writing = True
         main_session.pending = self._hand_back
@@ -291,7 +292,7 @@ class StreamingApply:
         try:
             self.applier.settle()
         except (ApplyError, TargetError) as exc:
-            self._give_up(str(exc))
+            self._give_up_after(exc)
         if self._origin is not None:
             try:
                 self.applier.tx.session.sql(_ORIGIN_RESET)
@@ -340,6 +341,13 @@ class StreamingApply:
         if isinstance(exc, TextValuesNeeded):
             self._give_up("", quietly=True)
             raise exc
+        self._give_up_after(exc)
+
+    def _give_up_after(self, exc: ApplyError | TargetError) -> None:
+        """Give up after ``exc``; what the careful path resolves (a conflict) is then applied
+        row by row at its commit at once, rather than batched, met again and redone."""
+        if self._taken and self._xid is not None and decide(exc) is Directive.REDO_CAREFUL:
+            self.main.careful_xids.add(self._xid)
         self._give_up(str(exc))
 
     def _give_up(self, reason: str, quietly: bool = False) -> None:

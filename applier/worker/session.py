@@ -70,6 +70,8 @@ class SessionState:
         self.text_values = False
         #: Streamed xids whose early apply was open when a session ended: applied at their commit.
         self.refused_early: set[int] = set()
+        #: Of those, the ones whose early apply met a conflict: row by row at their commit.
+        self.careful_xids: set[int] = set()
         self.caught_up: CaughtUp | None = None
         #: A target transaction committed in the last session (the backoff starts over).
         self.progressed = False
@@ -280,7 +282,8 @@ class ReplicationSession:
             feeds=feeds, feed_interval=settings.change_feed_retention / 7)
         try:
             return main_applier(target, apply_options, reflector, on_commit,
-                                careful_until=state.careful_until, warn=self.warn,
+                                careful_until=state.careful_until, careful_xids=state.careful_xids,
+                                warn=self.warn,
                                 on_relation=on_relation)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None

@@ -42,8 +42,6 @@ from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..sync.catalog import PublishedTable, published_tables
-from ..sync.copy import CopyStopped
-from ..sync.tables import CopyRound, copy_round
 from .loop import StopRequested
 from .resync import RunningCopy
 
@@ -211,6 +209,10 @@ class PublicationFollower:
         keys = [t.key for t in tables]
         log.info("copying %s (added to the publication, or marked by applier resync) before "
                  "streaming", names)
+        # The copy's modules load only when a table is copied: most workers never do, and
+        # loading them would cost each start 10 ms.
+        from ..sync.copy import CopyStopped
+        from ..sync.tables import CopyRound, copy_round
         started = time.monotonic()
         self._set(keys, "copying")
         with connect(self.target) as conn:

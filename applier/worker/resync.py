@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..config import Settings
 from ..connections import connect
@@ -25,8 +26,9 @@ from ..progress.repairs import Repairs
 from ..progress.schema import make_engine
 from ..protocol.lsn import LSN
 from ..sync.catalog import PublishedTable
-from ..sync.copy import CopyStopped
-from ..sync.tables import CopyRound, OpenRound, open_round
+
+if TYPE_CHECKING:
+    from ..sync.tables import OpenRound
 
 __all__ = ["RunningCopy"]
 
@@ -64,6 +66,8 @@ class RunningCopy:
         self._thread.start()
 
     def _run(self) -> None:
+        # Loaded only when a table is copied again (as ``publication`` does for a first copy).
+        from ..sync.tables import CopyRound, open_round
         target = self.settings.required("target")
         try:
             log.info("copying %s again (applier resync) beside the stream", self.names)
@@ -90,8 +94,10 @@ class RunningCopy:
 
     def check(self) -> None:
         """Raise what made the copy fail (the session ends; the next one copies again)."""
-        if self.error is not None and not isinstance(self.error, CopyStopped):
-            raise self.error
+        if self.error is not None:
+            from ..sync.copy import CopyStopped  # loaded already: the copy raised it
+            if not isinstance(self.error, CopyStopped):
+                raise self.error
 
     def close(self) -> None:
         """The session ends: stop the copy if it still runs (its tables stay 'copying')."""

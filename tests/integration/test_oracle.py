@@ -23,7 +23,7 @@ import re
 import time
 import traceback
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from conftest import pg_versions
@@ -140,6 +140,14 @@ def test_where_postgresqls_subscriber_refuses_the_source_is_the_oracle(
                                            list(ROUTES), 0)
 
 
+def _soak_timeout(test: Callable[..., None]) -> Callable[..., None]:
+    """A soak outlasts the suite's per-test timeout (pytest-timeout's alarm would fire inside a
+    round, and hypothesis would report that round as flaky): it gets its minutes and a round's
+    worth more."""
+    return pytest.mark.timeout(MINUTES * 60 + 1800)(test) if MINUTES else test
+
+
+@_soak_timeout
 def test_drawn_examples_on_every_route(oracle: Oracle) -> None:
     """Examples hypothesis draws from a fixed seed (``./dev soak``: for as long as asked)."""
     if MINUTES:
@@ -191,6 +199,8 @@ def _describe(exc: BaseException) -> str:
         return str(exc) + "".join(f"\n--- {i}: {_describe(sub)}"
                                   for i, sub in enumerate(exc.exceptions, 1))
     text = str(exc) + "".join(f"\n{note}" for note in getattr(exc, "__notes__", []))
+    if not text and exc.__cause__ is not None:  # hypothesis wraps what is not an Exception
+        return f"{type(exc).__name__} of {_describe(exc.__cause__)}"
     if text:
         return f"{type(exc).__name__}: {text}"
     # An exception without words (a bare assert, a timeout): its type and where it was raised.

@@ -128,8 +128,8 @@ class StreamLoop:
         self.assembler.close()
         batches = self.redo.batches()
         log.info("batch rolled back (%s); applying up to %s row by row, from the %d payload(s) "
-                 "received since %s", exc, exc.careful_until, sum(map(len, batches)),
-                 applier.tx.applied.end_lsn)
+                 "received since nothing was left uncommitted (recorded position %s)", exc,
+                 exc.careful_until, sum(map(len, batches)), applier.tx.applied.end_lsn)
         for payloads in batches:
             self.gate.feed(payloads)
 

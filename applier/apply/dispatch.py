@@ -96,6 +96,8 @@ class Applier:
         #: Everything up to this source commit LSN goes through the careful path (the fast path
         #: met a conflict or an error there).
         self.careful_until = careful_until
+        #: What is fed now was received before and is fed again (``worker.redo``).
+        self.redoing = False
         #: Streamed transactions (xids) whose early apply met what the careful path resolves (a
         #: conflict): at their commit, row by row at once, rather than batched and redone.
         self.careful_xids = careful_xids if careful_xids is not None else set()
@@ -209,8 +211,11 @@ class Applier:
             self.sync_filter.begin(txn.commit_lsn)
         route = plan(self.facts(txn.commit_lsn, prepared=txn.gid is not None))
         if route is Route.ALREADY_APPLIED:
-            log.info("skipping transaction %d at %s: already applied (recorded position %s)",
-                     txn.xid, txn.commit_lsn, tx.applied.commit_lsn)
+            # Expected for each one of a stretch fed again in-session (``redoing``); news after a
+            # restart.
+            log.log(logging.DEBUG if self.redoing else logging.INFO,
+                    "skipping transaction %d at %s: already applied (recorded position %s)",
+                    txn.xid, txn.commit_lsn, tx.applied.commit_lsn)
             self._divert = _ALREADY_APPLIED
             return
         if txn.commit_lsn >= self.hold_before:

@@ -193,8 +193,8 @@ class ReplicationSession:
                 state.text_values = True
             raise
         finally:
-            if applier is not None:  # a stretch this session redid row by row, if any
-                state.careful_until = LSN(max(state.careful_until, applier.careful_until))
+            if loop is not None:  # a stretch this session redid row by row, if any
+                state.careful_until = LSN(max(state.careful_until, loop.careful_until))
             # Each step on its own: a failure in one (a dead connection) must not keep the next
             # from running, above all closing the replication connection, whose walsender
             # otherwise holds the slot.

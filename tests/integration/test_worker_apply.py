@@ -277,7 +277,7 @@ def test_conflicts_hand_the_batch_to_the_careful_path(source_db, target_db) -> N
     finished = run_worker(source_db, target_db)
     assert "redoing up to" in finished.stderr
     # Redone from what the worker received, in the same session: the source sent it once.
-    assert "row by row, from the" in finished.stderr
+    assert "payload(s) received since nothing was left uncommitted" in finished.stderr
     assert finished.stderr.count("streaming from") == 1
     rows = target_db.query("SELECT id, v FROM t ORDER BY id")
     assert rows == sorted(source_db.query("SELECT id, v FROM t") + [(50, "target only, kept")])

@@ -48,9 +48,8 @@ PART_ROWS = 2000
 INSERT_PART_ROWS = 10_000
 #: The first batch of a session commits after at most this long (later ones after
 #: ``BatchLimits.seconds``): a worker started on a backlog shows its first rows on the target at
-#: once (with what the first read brought) instead of after a whole batch, for the cost of one
-#: more commit. (50 ms before: the first rows then waited that long behind the backlog.)
-FIRST_BATCH_SECONDS = 0.0
+#: once instead of after a whole batch, for the cost of one more commit.
+FIRST_BATCH_SECONDS = 0.05
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,8 @@ class Exploration:
     native_refused: list[str] = field(default_factory=list)
     #: Where target A differed from the source (informational).
     native_vs_source: list[str] = field(default_factory=list)
+    #: Where PostgreSQL's apply worker crashed after taking an example (informational).
+    native_crashed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     #: Seconds per phase of an example, over all of them (``Outcome.seconds``).
     phases: dict[str, float] = field(default_factory=dict)
@@ -108,6 +110,8 @@ def explore(oracle: Oracle, routes: list[Route], seed_used: int, max_examples: i
             found.native_refused.append(outcome.native_refused)
         if outcome.native_vs_source:
             found.native_vs_source.append(outcome.native_vs_source)
+        if outcome.native_crashed:
+            found.native_crashed.append(outcome.native_crashed)
         if outcome.differences:
             focus = [r for r in focus if r.name in outcome.differences]
             raise Difference(report(example, outcome, routes, seed_used))

@@ -136,7 +136,8 @@ class StreamLoop:
         applier = self.applier
         assert exc.careful_until is not None
         applier.abort_open_transaction()
-        careful_until = LSN(max(applier.careful_until, exc.careful_until))
+        # self.careful_until, not the applier's: within CAREFUL_AFTER_REDO that one is _EVERYTHING.
+        careful_until = LSN(max(self.careful_until, exc.careful_until))
         self.assembler.close()
         batches = self.redo.batches()
         log.info("batch rolled back (%s); applying the %d payload(s) received since nothing was "

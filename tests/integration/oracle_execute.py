@@ -107,9 +107,12 @@ class _Statements:
     """SQL of each op; numbers keys and added columns as it goes, and leaves the columns the
     source dropped out of later statements."""
 
-    def __init__(self, schema: Schema, on_targets: Callable[[str], None]) -> None:
+    def __init__(self, schema: Schema, on_targets: Callable[[str, bool], None]) -> None:
         self.schema = schema
         self.on_targets = on_targets
+        #: Tables the open transaction wrote before the op at hand (its streamed part may hold
+        #: them on a target).
+        self.written: set[int] = set()
         self.next_key = [1] * len(schema.tables)
         self.generation = 0
         self.added = 0
@@ -154,7 +157,7 @@ class _Statements:
         if op.default is not None:
             statement += f" DEFAULT {op.default}"
         if not op.source_only:
-            self.on_targets(statement)
+            self.on_targets(statement, op.table in self.written)
         return statement
 
     def _kept(self, index: int, names: list[str]) -> list[bool]:
@@ -227,7 +230,7 @@ class _Statements:
 
 
 class _Runner:
-    def __init__(self, dsn: str, schema: Schema, on_targets: Callable[[str], None]) -> None:
+    def __init__(self, dsn: str, schema: Schema, on_targets: Callable[[str, bool], None]) -> None:
         self.dsn = dsn
         self.statements = _Statements(schema, on_targets)
         self.script = Script()
@@ -287,6 +290,7 @@ class _Runner:
             for j in [j for j, held in self.holds.items() if j != i and held & tables]:
                 self._end_now(transactions, done, j)
             if txn.end == "single":
+                self.statements.written = set()
                 session = self.session()
                 for _ in range(txn.repeat):
                     for statement in self.statements.of(op):
@@ -298,6 +302,7 @@ class _Runner:
                 self.open[i] = self.session()
                 self.run(self.open[i], "BEGIN")
                 self.script.most_open = max(self.script.most_open, len(self.open))
+            self.statements.written = set(self.holds.get(i, ()))
             self.holds.setdefault(i, set()).update(tables)
             for statement in self.statements.of(op):
                 self.run(self.open[i], statement)
@@ -342,7 +347,8 @@ def _gid(transaction: int) -> str:
 
 
 def run_workload(dsn: str, schema: Schema, workload: Workload,
-                 on_targets: Callable[[str], None]) -> Script:
+                 on_targets: Callable[[str, bool], None]) -> Script:
     """Run ``workload`` on the source database ``dsn``; the script of what ran. ``on_targets``
-    runs a statement on every target (a column added there before the source adds it)."""
+    runs a statement on every target (a column added there before the source adds it); its
+    second argument says whether the source transaction at hand already wrote that table."""
     return _Runner(dsn, schema, on_targets).execute(workload)

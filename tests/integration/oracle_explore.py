@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import HealthCheck, Phase, given, reject, seed, settings
 from hypothesis import strategies as st
 from oracle_execute import Script
-from oracle_rig import Oracle, Outcome, Route
+from oracle_rig import Oracle, Outcome, RigCycle, Route
 from oracle_schema import Schema, schemas
 from oracle_workload import Workload, features, workloads
 
@@ -53,6 +53,9 @@ class Exploration:
     native_vs_source: list[str] = field(default_factory=list)
     #: Where PostgreSQL's apply worker crashed after taking an example (informational).
     native_crashed: list[str] = field(default_factory=list)
+    #: Examples the rig could not run: its own migration of a target waited on a transaction
+    #: of the same workload applied early there (``RigCycle``).
+    rig_cycles: list[str] = field(default_factory=list)
     seconds: float = 0.0
     #: Seconds per phase of an example, over all of them (``Outcome.seconds``).
     phases: dict[str, float] = field(default_factory=dict)
@@ -98,7 +101,11 @@ def explore(oracle: Oracle, routes: list[Route], seed_used: int, max_examples: i
     def check(example: Example) -> None:
         nonlocal focus
         started = time.monotonic()
-        outcome = oracle.check(example.schema, example.workload, focus, example.live)
+        try:
+            outcome = oracle.check(example.schema, example.workload, focus, example.live)
+        except RigCycle as cycle:
+            found.rig_cycles.append(str(cycle))
+            reject()
         found.seconds += time.monotonic() - started
         found.examples += 1
         for phase, seconds in outcome.seconds.items():

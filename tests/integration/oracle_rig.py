@@ -43,7 +43,7 @@ from oracle_workload import Op, Savepoint, Truncate, Workload
 from applier.embedded import ClusterError, PostgresServer
 from applier.progress.schema import ensure_schema
 
-__all__ = ["ROUTES", "SOAK_ROUTES", "Oracle", "Outcome", "Route"]
+__all__ = ["ROUTES", "SOAK_ROUTES", "Oracle", "Outcome", "RigCycle", "Route"]
 
 REPO = Path(__file__).resolve().parents[2]
 _PUBLICATIONS = "oracle_leaf,oracle_root"
@@ -51,6 +51,13 @@ _PUBLICATIONS = "oracle_leaf,oracle_root"
 #: (``APPLIER_ORACLE_MINUTES``) shares the machine with other work for hours, so it waits longer
 #: before it calls a slow catch-up a stall.
 CATCH_UP_SECONDS = 600.0 if float(os.environ.get("APPLIER_ORACLE_MINUTES") or 0) else 180.0
+
+
+class RigCycle(Exception):
+    """The rig closed a lock cycle of its own: a target's copy of a source transaction that was
+    streamed and applied early holds a table, and the rig waits to alter that table on the
+    target before the same transaction may go on on the source. No consumer is at fault; the
+    example cannot be run."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +165,7 @@ class Oracle:
             if live:
                 workers = self._start(routes, names, source_db, logs, exit_when_caught_up=False)
             outcome.script = run_workload(self.source.dsn(source_db), schema, workload,
-                                          lambda statement: self._on_targets(names, statement))
+                                          partial(self._on_targets, names))
             execute(self.source.dsn(source_db), f"INSERT INTO {qualified(*MARKER)} VALUES (1)")
             clock.lap("workload")
             if not live:
@@ -225,19 +232,24 @@ class Oracle:
                 f"slot_name = {literal(names['native'])}, copy_data = false, two_phase = true, "
                 f"streaming = {streaming})")
 
-    def _on_targets(self, names: dict[str, str], statement: str) -> None:
+    def _on_targets(self, names: dict[str, str], statement: str, wrote_before: bool) -> None:
         """Run ``statement`` on every target, as a migration of the replicas would. A consumer
         may hold the table meanwhile; and waiting in the lock queue can close a cycle no deadlock
         detector sees (PostgreSQL's leader apply worker queued behind the ALTER, its parallel
-        worker waiting for the leader): so wait a little at a time, and try again."""
+        worker waiting for the leader): so wait a little at a time, and try again. Where the
+        source transaction at hand wrote the table before (``wrote_before``), a consumer that
+        applies it early holds the table until that transaction ends, which waits for this:
+        past the deadline that is ``RigCycle``."""
         for database in names.values():
             deadline = time.monotonic() + CATCH_UP_SECONDS
             while True:
                 try:
                     execute(self.target.dsn(database), "SET lock_timeout = '1s'", statement)
                     break
-                except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected):
+                except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
                     if time.monotonic() > deadline:
+                        if wrote_before:
+                            raise RigCycle(f"{database}: {statement}") from exc
                         raise
                     time.sleep(0.2)
 

@@ -184,6 +184,8 @@ def _soak(oracle: Oracle, minutes: float) -> None:
           f"{refusals.most_common()}")
     print(f"PostgreSQL's apply worker crashed after taking {len(found.native_crashed)} example(s): "
           f"{[_first_line(crash) for crash in found.native_crashed]}")
+    print(f"the rig closed a lock cycle of its own in {len(found.rig_cycles)} example(s) (not run): "
+          f"{found.rig_cycles}")
     print(f"target A differed from the source {len(found.native_vs_source)} time(s): "
           f"{[_first_line(found) for found in found.native_vs_source]}")
     assert not differences, f"{len(differences)} difference(s):\n\n" + "\n\n".join(differences)

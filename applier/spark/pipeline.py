@@ -41,7 +41,6 @@ import re
 import shutil
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -65,6 +64,8 @@ if TYPE_CHECKING:
 __all__ = ["main", "run_pipeline", "run_pipeline_job"]
 
 STATE_FILE = "_applier_state.json"
+#: What ends a loop of rounds (between two of them).
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def _state(output: Path) -> dict[str, Any] | None:
@@ -262,26 +263,28 @@ def run_pipeline(settings: Settings) -> int:
     the last committed round stays)."""
     settings.require("target", "output")
     every, limit = settings.every, settings.rounds or (None if settings.every else 1)
-    stop = threading.Event()
-    handlers = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)} \
-        if limit != 1 else {}
+    # Between rounds the stop signals are waited for, not handled: a handler runs whenever the
+    # interpreter gets to it, and one that set a threading.Event while the wait held the
+    # Event's own lock would hang the loop for good. Blocked before Spark starts its threads,
+    # so that they inherit the mask and none of them takes the signal instead.
+    waited = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS) if limit != 1 else None
     try:
         spark = spark_session(settings.master, app_name="applier pipeline", jar=settings.jdbc_jar)
         done = 0
-        while not stop.is_set():
+        while True:
             started = time.monotonic()
             state = run_pipeline_job(spark, settings)
             print(json.dumps(state, indent=None if limit != 1 else 2), flush=True)
             done += 1
-            if done == limit:
+            if done == limit or signal.sigtimedwait(
+                    _STOP_SIGNALS, max(0.0, (every or 0.0) - (time.monotonic() - started))):
                 break
-            stop.wait(max(0.0, (every or 0.0) - (time.monotonic() - started)))
     except (SparkUnavailable, LookupError) as exc:
         print(f"applier pipeline: {exc}", file=sys.stderr)
         return ExitCode.FAILED
     finally:
-        for number, handler in handlers.items():
-            signal.signal(number, handler)
+        if waited is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, waited)
     return ExitCode.OK
 
 

@@ -91,11 +91,12 @@ def _prepare_step(conn: psycopg.Connection, next_order: list[int]) -> int:
     return 10
 
 
-def _lag(source: psycopg.Connection) -> int:
-    """Bytes of source WAL the slot has not confirmed yet (0 before sync has made the slot)."""
+def _lag(source: psycopg.Connection) -> int | None:
+    """Bytes of source WAL the slot has not confirmed yet; None before sync has made the slot
+    (a slow start must not pass for a replica caught up)."""
     row = source.execute("SELECT pg_current_wal_lsn() - confirmed_flush_lsn FROM pg_replication_slots "
                          "WHERE slot_name = 'demo'").fetchone()
-    return int(row[0]) if row and row[0] is not None else 0
+    return int(row[0]) if row and row[0] is not None else None
 
 
 def _damage_and_repair(say: Callable[[str], None], target: Database, verify: list[str]) -> bool:
@@ -181,16 +182,21 @@ def run_demo(settings: Settings) -> int:
                 now = time.monotonic()
                 if now - last_report >= 1:
                     lag = _lag(watcher)
-                    max_lag = max(max_lag, lag)
+                    max_lag = max(max_lag, lag or 0)
                     say(f"  {now - started:5.1f}s  {transactions:6d} transactions  {rows:7d} rows  "
-                        f"slot lag {lag / 1024:8.1f} kB")
+                        + (f"slot lag {lag / 1024:8.1f} kB" if lag is not None
+                           else "slot not made yet"))
                     last_report = now
                 if worker.poll() is not None:
                     raise SystemExit(f"the worker exited early with status {worker.returncode}")
             say("  workload stopped; waiting for the worker to catch up ...")
             deadline = time.monotonic() + 120
-            while _lag(watcher) > 0 and time.monotonic() < deadline:
+            while _lag(watcher) != 0 and time.monotonic() < deadline:
+                if worker.poll() is not None:
+                    raise SystemExit(f"the worker exited early with status {worker.returncode}")
                 time.sleep(0.2)
+            if _lag(watcher) != 0:
+                raise SystemExit("the worker did not catch up within 120 s of the workload's end")
         elapsed = time.monotonic() - started
         applier = [sys.executable, "-m", "applier"]
         servers = ["--source", source_db.dsn, "--target", target_db.dsn, "--slot", "demo"]

@@ -8,14 +8,14 @@
  * - Run: inserts, as COPY text lines or, for values the source sent in binary (the stream's
  *   binary option), as COPY binary tuples: a binary value is already in the type's send format,
  *   which is what COPY binary carries, so it is copied as it is behind its length;
- * - KeyRun: changes by key, folded by key: updates that carry every column and keep their key
- *   (a later update of a row replaces the earlier one: both set every column), or deletes by key
- *   (only the key is kept).
+ * - KeyRun: changes by key: updates that carry every column and keep their key, or deletes by
+ *   key (only the key is kept), every one in order; the batch folds them by key before they are
+ *   sent (applier/apply/fast/batch.py owns that rule).
  * A run holds values of one format (text or binary, NULLs aside); a row in the other format is
  * the ordinary path's.
  *
  * A run of a table the change feed records (--change-feed) also keeps a change row for every
- * change it takes, unfolded, in its ``feed`` buffer, in the run's format: the meta of the change
+ * change it takes in its ``feed`` buffer, in the run's format: the meta of the change
  * (the commit LSN, commit time and xid of its transaction, its order in it, the operation), then
  * the row's values (a delete's: its key); the fast path writes them to the change table in the
  * same target transaction (by COPY; a delete's from the target's old row). A change row needs the
@@ -130,7 +130,7 @@ static PyTypeObject RunType = {
     .tp_members = run_members,
 };
 
-/* ---- KeyRun: updates or deletes by key, folded ---------------------------------------------- */
+/* ---- KeyRun: updates or deletes by key -------------------------------------------------------- */
 
 typedef struct {
     PyObject_HEAD
@@ -140,9 +140,7 @@ typedef struct {
     Py_ssize_t nkeys;
     int whole_rows;          /* updates: rows hold every column; deletes: only the key */
     int binary;              /* values in binary (statement parameters in binary format) */
-    PyObject *rows;          /* list of tuples (bytes or None), one per key, in first-seen order */
-    PyObject *index;         /* dict: key values (tuple) -> position in rows */
-    Py_ssize_t changes;      /* updates recorded, folded ones included */
+    PyObject *rows;          /* list of tuples (bytes or None), one per change, in order */
     Feed feed;               /* the change rows of a recorded table (updates) */
 } KeyRunObject;
 
@@ -171,8 +169,7 @@ key_run_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->nkeys = PyTuple_GET_SIZE(keys);
     self->key_at = PyMem_New(Py_ssize_t, self->nkeys);
     self->rows = PyList_New(0);
-    self->index = PyDict_New();
-    if (self->key_at == NULL || self->rows == NULL || self->index == NULL
+    if (self->key_at == NULL || self->rows == NULL
         || feed_init(&self->feed, record) < 0) {
         Py_DECREF(self);
         return PyErr_NoMemory();
@@ -198,56 +195,30 @@ key_run_dealloc(KeyRunObject *self)
 {
     Py_XDECREF(self->keys);
     Py_XDECREF(self->rows);
-    Py_XDECREF(self->index);
     Py_XDECREF(self->feed.data);
     PyMem_Free(self->key_at);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Record one change (a tuple of every column's value, stolen); one of the same key is replaced. */
+/* Record one change (a tuple of every column's value, stolen): of a delete, its key alone. */
 static int
 key_run_put(KeyRunObject *self, PyObject *row)
 {
-    PyObject *key, *found;
-    Py_ssize_t i;
-    key = PyTuple_New(self->nkeys);
-    if (key == NULL) {
-        Py_DECREF(row);
-        return -1;
-    }
-    for (i = 0; i < self->nkeys; i++)
-        PyTuple_SET_ITEM(key, i, Py_NewRef(PyTuple_GET_ITEM(row, self->key_at[i])));
-    if (!self->whole_rows)  /* a delete: the key is all it needs */
-        Py_SETREF(row, Py_NewRef(key));
-    found = PyDict_GetItemWithError(self->index, key);
-    if (found != NULL) {
-        Py_ssize_t at = PyLong_AsSsize_t(found);
-        Py_DECREF(key);
-        if (at == -1 && PyErr_Occurred()) {
+    int failed;
+    if (!self->whole_rows) {  /* a delete: the key is all it needs */
+        PyObject *key = PyTuple_New(self->nkeys);
+        Py_ssize_t i;
+        if (key == NULL) {
             Py_DECREF(row);
             return -1;
         }
-        self->changes++;
-        return PyList_SetItem(self->rows, at, row);  /* steals row */
+        for (i = 0; i < self->nkeys; i++)
+            PyTuple_SET_ITEM(key, i, Py_NewRef(PyTuple_GET_ITEM(row, self->key_at[i])));
+        Py_SETREF(row, key);
     }
-    if (PyErr_Occurred()) {
-        Py_DECREF(key);
-        Py_DECREF(row);
-        return -1;
-    }
-    found = PyLong_FromSsize_t(PyList_GET_SIZE(self->rows));
-    if (found == NULL || PyDict_SetItem(self->index, key, found) < 0
-        || PyList_Append(self->rows, row) < 0) {
-        Py_XDECREF(found);
-        Py_DECREF(key);
-        Py_DECREF(row);
-        return -1;
-    }
-    Py_DECREF(found);
-    Py_DECREF(key);
+    failed = PyList_Append(self->rows, row);
     Py_DECREF(row);
-    self->changes++;
-    return 0;
+    return failed;
 }
 
 /* add(values): the ordinary path's update of every column, or delete by key (a tuple of every
@@ -311,8 +282,8 @@ static PyMemberDef key_run_members[] = {
     {"whole_rows", T_INT, offsetof(KeyRunObject, whole_rows), READONLY,
      "updates (every column) rather than deletes (the key)"},
     {"binary", T_INT, offsetof(KeyRunObject, binary), READONLY, "values in binary"},
-    {"changes", T_PYSSIZET, offsetof(KeyRunObject, changes), READONLY,
-     "changes recorded, folded ones included"},
+    {"rows", T_OBJECT_EX, offsetof(KeyRunObject, rows), READONLY,
+     "every change (a delete's: its key), in order; the batch folds them in place before sending"},
     FEED_MEMBERS(KeyRunObject),
     {NULL},
 };
@@ -336,9 +307,9 @@ static PyTypeObject KeyRunType = {
     .tp_basicsize = sizeof(KeyRunObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "KeyRun(columns, keys, whole_rows, binary=False, feed=False)\n--\n\nUpdates of every "
-              "column (whole_rows) or deletes of one table by key, folded by key, values in text or "
-              "(binary) binary; len() is the rows they change. With feed, the change rows of "
-              "every change, unfolded.",
+              "column (whole_rows) or deletes of one table by key, values in text or (binary) "
+              "binary, every change in order (rows; the batch folds them by key); len() is the "
+              "rows held. With feed, the change rows of every change.",
     .tp_new = key_run_new,
     .tp_dealloc = (destructor)key_run_dealloc,
     .tp_members = key_run_members,

@@ -11,7 +11,7 @@ import pgoutput_builder as pg
 import pytest
 
 from applier.apply.copy import copy_binary, copy_binary_rows, copy_text_pure
-from applier.apply.fast.batch import Batch
+from applier.apply.fast.batch import Batch, fold_key_run
 from applier.apply.fast.lane import core
 from applier.apply.fast.path import LaneRoom
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
@@ -177,7 +177,7 @@ def _key_run(columns: int, keys: tuple[int, ...], whole_rows: bool = True, binar
     return _lane.KeyRun(columns, keys, whole_rows, binary, feed)
 
 
-def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None:
+def test_updates_of_every_column_go_into_their_tables_key_run_and_the_batch_folds_them() -> None:
     runs = {7: _key_run(3, (0,))}
     payloads = (_txn(0x100, 500, pg.update(7, [b"1", b"a", None]), pg.update(7, [b"2", b"b", b"x"]))
                 + _txn(0x200, 501, pg.update(7, [b"1", b"c", b"y"])))
@@ -185,7 +185,9 @@ def test_updates_of_every_column_fold_by_key_into_their_tables_key_run() -> None
     assert lane.take(payloads, 0) == len(payloads) and lane.reason == END
     assert (lane.updates, lane.inserts, lane.transactions) == (3, 0, 2)
     run = runs[7]
-    assert (len(run), run.changes) == (2, 3)  # the second update of key 1 replaced the first
+    assert run.rows == [(b"1", b"a", None), (b"2", b"b", b"x"), (b"1", b"c", b"y")]  # every one
+    fold_key_run(run)
+    assert len(run) == 2  # the second update of key 1 replaced the first, where the first was
     assert run.params(0, 2) == [b"1", b"c", b"y", b"1", b"2", b"b", b"x", b"2"]  # columns, then key
     assert run.params(1, 2) == [b"2", b"b", b"x", b"2"]
 
@@ -218,7 +220,7 @@ def test_binary_updates_fold_into_a_binary_key_run_sent_as_binary_parameters() -
                     pg.update(7, [pg.Binary(one), None]), pg.update(7, [b"1", b"t"]))
     lane = _make_lane(runs)
     assert lane.take(payloads, 0) == 3 and lane.reason == FOREIGN  # the text update is refused
-    assert (len(runs[7]), runs[7].changes) == (1, 2)
+    assert len(runs[7]) == 2
     batch = Batch()
     batch.open_run(mapping, runs[7], kind="U")
     batch.update(mapping, TupleData(b"bb", (two, b"b")), None)  # the ordinary path joins it
@@ -264,12 +266,14 @@ def test_an_update_run_in_the_batch_becomes_multi_row_updates_by_key() -> None:
     assert insert.sql.startswith('INSERT INTO "public"."acc"') and insert.values == [b"30", b"31"]
 
 
-def test_deletes_by_key_keep_only_the_key_and_fold_by_it() -> None:
+def test_deletes_by_key_keep_only_the_key_and_the_batch_folds_them() -> None:
     runs = {7: _key_run(3, (0, 2), whole_rows=False)}
     payloads = _txn(0x100, 500, pg.delete(7, [b"1", None, b"a"]), pg.delete(7, [b"2", None, b"b"]),
                     pg.delete(7, [b"1", None, b"a"]))
     lane = _make_lane(runs)
     assert lane.take(payloads, 0) == len(payloads) and (lane.deletes, lane.transactions) == (3, 1)
+    assert runs[7].rows == [(b"1", b"a"), (b"2", b"b"), (b"1", b"a")]
+    fold_key_run(runs[7])
     assert len(runs[7]) == 2 and runs[7].params(0, 2) == [b"1", b"a", b"2", b"b"]
     full = _txn(0x200, 501, pg.delete(7, [b"3", b"x", b"c"], old_kind="O"))  # REPLICA IDENTITY FULL
     assert _make_lane(runs).take(full, 0) == 1
@@ -374,6 +378,8 @@ def test_a_recorded_tables_inserts_and_updates_keep_a_change_row_each_after_thei
     assert bytes(runs[7].data) == b"1\ta\\tb\n2\t\\N\n"  # the data, as without the feed
     assert bytes(runs[7].feed) == meta + b"1\tI\t1\ta\\tb\n" + meta + b"4\tI\t2\t\\N\n"
     assert runs[7].feed_rows == 2
+    assert len(runs[8]) == 2
+    fold_key_run(runs[8])
     assert len(runs[8]) == 1 and runs[8].params(0, 1) == [b"1", b"x", b"1"]  # folded
     assert bytes(runs[8].feed) == meta + b"2\tU\t1\t\\N\n" + meta + b"3\tU\t1\tx\n"  # not folded
     assert runs[8].feed_rows == 2 and lane.seq == 4

@@ -3,7 +3,9 @@
 Owns turning a sequence of row changes into few statements with a known outcome:
 - repeated updates of one row within the batch are folded into the last one (the earlier ones
   are overwritten anyway; only a superset of their columns may replace them, and never across a
-  key change, a delete or a truncate of that table);
+  key change, a delete or a truncate of that table): ``Batch.update`` as changes come, and
+  ``fold_key_run`` for a run the lane filled (every column, so the last always replaces), the
+  one place that rule is written;
 - an insert followed by updates of the same row becomes one insert of the final row;
 - the changes of independent tables are gathered per table (see ``statements``);
 - runs of inserts (same table, same columns) become one COPY (``copy.py``) when long and all in
@@ -11,7 +13,8 @@ Owns turning a sequence of row changes into few statements with a known outcome:
   ``DELETE ... WHERE (key) IN (...)``, runs of updates by key one ``UPDATE ... FROM (VALUES ...)``;
 - an independent table may also hold an open *run* (the lane, ``lane.py``, writes into it
   straight from the received payloads): inserts as COPY text or binary (``Run``), or updates of
-  every column or deletes, by key and folded by key (``KeyRun``), each run in one value format.
+  every column or deletes, by key (``KeyRun``, folded before it is sent), each run in one value
+  format.
   It is sent where it began, as one COPY or as multi-row UPDATEs or DELETEs, so a change that
   must follow its rows (another kind
   of change of that table, a barrier) closes it first;
@@ -68,10 +71,24 @@ from .sql import (
     present_columns,
 )
 
-__all__ = ["Batch", "BatchStatement", "KeyRun", "Run"]
+__all__ = ["Batch", "BatchStatement", "KeyRun", "Run", "fold_key_run"]
 
 #: A run's kind (the type byte of the changes it takes) -> its op kind.
 _RUN_OPS = {"I": COPY, "U": UPDATES, "D": DELETES}
+
+
+def fold_key_run(run: KeyRun) -> None:
+    """The folding rule on a run of changes by key, in place: of a key's updates (each of every
+    column, so a later one replaces an earlier one) only the last is kept, where the first was;
+    of its deletes, one. A run holds one table's changes of one kind, nothing between them."""
+    rows = run.rows
+    if run.whole_rows:
+        key = itemgetter(*run.keys)
+        folded = list({key(row): row for row in rows}.values())
+    else:
+        folded = list(dict.fromkeys(rows))
+    if len(folded) != len(rows):
+        rows[:] = folded
 
 
 class Batch:
@@ -84,6 +101,7 @@ class Batch:
         #: in place. ``_open`` has their ops.
         self.runs: dict[int, Run | KeyRun] = {}
         self._open: dict[int, Op] = {}
+        self._key_runs: list[KeyRun] = []   # folded before the batch is sent
         self.rows = 0
         self.inserts = 0  # of ``rows``: parts are cut by inserts and by other rows apart
         self.bytes = 0
@@ -104,6 +122,7 @@ class Batch:
         self._commit_lsns.clear()
         self._end_lsns.clear()
         self._last.clear()
+        self._key_runs.clear()
         self._close_every_run()
         self.rows = self.inserts = self.bytes = 0
 
@@ -130,6 +149,8 @@ class Batch:
         self._open[relation_id] = op
         self.runs[relation_id] = run
         self._ops.append(op)
+        if kind != "I":
+            self._key_runs.append(run)  # type: ignore[arg-type]
 
     def recorded_runs(self) -> list[ChangeTable]:
         """The change tables of the recorded tables with an open run (the lane writes their
@@ -317,6 +338,8 @@ class Batch:
         ``change_rows_copy``: change rows written from the values the source sent go as COPYs
         however few (the feed's spool holds them back: no round trip is saved by INSERTs)."""
         self._flush_feed()
+        for run in self._key_runs:
+            fold_key_run(run)
         self._emitter.change_rows_copy_min = 1 if change_rows_copy else COPY_MIN_ROWS
         yield from self._emitter.statements(self._ops)
         if self._commit_lsns:

@@ -3,7 +3,7 @@
 Owns deciding when the C lane (``_lane.Lane``) may take payloads and handing what it took to the
 sink: the changes it wrote into the batch's open runs (``batch.Run``: inserts as COPY text, or
 COPY binary when the source sent binary values; ``batch.KeyRun``: updates of every column or
-deletes, by key and folded by key), the
+deletes, by key, every change: the batch folds them), the
 transactions it saw commit and the last of them (the progress row names it), the change feed's
 rows of applier.change_commits of those that wrote change rows, a part that is due,
 a batch that is full. A stream of small transactions (pgbench's, single-row inserts) or one large

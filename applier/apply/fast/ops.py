@@ -116,15 +116,17 @@ class Run(Protocol):
 
 
 class KeyRun(Protocol):
-    """Updates of every column (``whole_rows``) or deletes of one table by its key, folded by key
-    (``_lane.KeyRun``), values in text or (``binary``) binary; ``len()`` is the rows they change."""
+    """Updates of every column (``whole_rows``) or deletes of one table by its key
+    (``_lane.KeyRun``), values in text or (``binary``) binary: ``rows`` holds every change in
+    order (a delete's key alone) until ``batch.fold_key_run`` folds them in place; ``len()`` is
+    the rows held."""
 
     columns: int
     keys: tuple[int, ...]
     whole_rows: bool
     binary: bool
-    changes: int
-    feed: bytearray | None   # a recorded table's updates' change rows, unfolded, else None
+    rows: list[tuple[bytes | None, ...]]
+    feed: bytearray | None   # a recorded table's change rows, one per change, else None
     feed_rows: int
 
     def __len__(self) -> int: ...

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from datetime import UTC, datetime
 
 import pgoutput_builder as pg
 import pytest
@@ -14,6 +15,7 @@ from applier.apply.copy import copy_binary, copy_binary_rows, copy_text_pure
 from applier.apply.fast.batch import Batch, fold_key_run
 from applier.apply.fast.lane import core
 from applier.apply.fast.path import LaneRoom
+from applier.apply.feed.meta import Stamp, meta_prefix
 from applier.apply.mapping import RelationMapping, TargetColumn, TargetTable, map_relation
 from applier.protocol.decoder import decode_pure
 from applier.protocol.lsn import LSN
@@ -375,6 +377,12 @@ def test_a_recorded_tables_inserts_and_updates_keep_a_change_row_each_after_thei
     lane.feed_until = BIG
     assert lane.take(payloads, 0) == len(payloads) and lane.reason == END
     meta = b"1/100\t2026-11-25 12:00:00.500000+00\t500\t"
+    # The same values as the Python routes' stamp of that transaction (feed.meta).
+    stamp = Stamp(LSN(0x1_00000100), datetime(2026, 11, 25, 12, 0, 0, 500000, UTC), 500, False)
+    lane_lsn, lane_time, lane_xid = meta.split(b"\t")[:3]
+    lsn, time, xid = meta_prefix(stamp, False).split(b"\t")[:3]
+    assert (lane_lsn, lane_xid) == (lsn, xid)
+    assert datetime.fromisoformat(lane_time.decode()) == datetime.fromisoformat(time.decode())
     assert bytes(runs[7].data) == b"1\ta\\tb\n2\t\\N\n"  # the data, as without the feed
     assert bytes(runs[7].feed) == meta + b"1\tI\t1\ta\\tb\n" + meta + b"4\tI\t2\t\\N\n"
     assert runs[7].feed_rows == 2

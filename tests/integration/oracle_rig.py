@@ -236,7 +236,8 @@ class Oracle:
         """Run ``statement`` on every target, as a migration of the replicas would. A consumer
         may hold the table meanwhile; and waiting in the lock queue can close a cycle no deadlock
         detector sees (PostgreSQL's leader apply worker queued behind the ALTER, its parallel
-        worker waiting for the leader): so wait a little at a time, and try again. Where the
+        worker waiting for the leader): so wait a little at a time, and try again (also while
+        the target restarts after PostgreSQL's apply worker crashed). Where the
         source transaction at hand wrote the table before (``wrote_before``), a consumer that
         applies it early holds the table until that transaction ends, which waits for this:
         past the deadline that is ``RigCycle``."""
@@ -246,11 +247,15 @@ class Oracle:
                 try:
                     execute(self.target.dsn(database), "SET lock_timeout = '1s'", statement)
                     break
-                except (psycopg.errors.LockNotAvailable, psycopg.errors.DeadlockDetected) as exc:
+                except psycopg.OperationalError as exc:  # a lock, a deadlock, a restart
                     if time.monotonic() > deadline:
-                        if wrote_before:
+                        if wrote_before and isinstance(exc, psycopg.errors.LockNotAvailable):
                             raise RigCycle(f"{database}: {statement}") from exc
                         raise
+                    if any(is_subscriber_crash(c) for c in self.logs[self.target.name].crashes()):
+                        # PostgreSQL's apply worker crashing restarts the target server again
+                        # and again: stop it (its refusal is then read in _wait).
+                        _disable_native(lambda q: execute(self.target.dsn(names["native"]), q))
                     time.sleep(0.2)
 
     def _start(self, routes: list[Route], names: dict[str, str], source_db: str, logs: Path,

@@ -51,6 +51,9 @@ _PUBLICATIONS = "oracle_leaf,oracle_root"
 #: (``APPLIER_ORACLE_MINUTES``) shares the machine with other work for hours, so it waits longer
 #: before it calls a slow catch-up a stall.
 CATCH_UP_SECONDS = 600.0 if float(os.environ.get("APPLIER_ORACLE_MINUTES") or 0) else 180.0
+#: How long a target migration waits for a table its own source transaction may hold there
+#: (applied early) before the rig calls it a cycle of its own (``RigCycle``).
+_CYCLE_SECONDS = 60.0
 
 
 class RigCycle(Exception):
@@ -241,8 +244,10 @@ class Oracle:
         source transaction at hand wrote the table before (``wrote_before``), a consumer that
         applies it early holds the table until that transaction ends, which waits for this:
         past the deadline that is ``RigCycle``."""
+        # A cycle that can close is not waited out as long as a slow consumer is.
+        patience = min(CATCH_UP_SECONDS, _CYCLE_SECONDS) if wrote_before else CATCH_UP_SECONDS
         for database in names.values():
-            deadline = time.monotonic() + CATCH_UP_SECONDS
+            deadline = time.monotonic() + patience
             while True:
                 try:
                     execute(self.target.dsn(database), "SET lock_timeout = '1s'", statement)
@@ -455,7 +460,7 @@ def _until_recovered(action: Callable[[], object]) -> None:
             time.sleep(0.5)
 
 
-def _disable_native(query: Callable[[str], list[tuple]]) -> None:
+def _disable_native(query: Callable[[str], object]) -> None:
     """Disable the native subscription, so that its apply worker stops (or stops crashing):
     tried again while the worker is changing the subscription, or the server restarts. There is
     none when the example failed before creating it."""
